@@ -1,0 +1,285 @@
+//! The f32 GEMM microkernel emitter.
+//!
+//! A microkernel computes an `mr` x `nr` tile `C = A·B` over `kc` steps from packed panels
+//! (A: `kc` columns of `mr` values, B: `kc` rows of `nr` values, both zero-padded), keeping
+//! the whole tile in registers. Then, in registers: optional accumulation into C (K-blocks
+//! after the first), and on the last K-block the fused epilogue (bias by row or by column,
+//! residual, clamp). Partial tiles at the edges of C go through a stack tile and
+//! `crate::gemm::store_edge`, so the kernel never touches memory outside `m` x `n`.
+
+use crate::{registry_entry, GemmSpec, Isa};
+use proc_macro2::{Literal, TokenStream};
+use quote::{format_ident, quote};
+
+/// How one SIMD ISA spells the handful of operations a GEMM kernel needs.
+struct Simd {
+    lanes: usize,
+    arch: TokenStream,
+    feature: &'static str,
+    zero: TokenStream,
+    load: TokenStream,
+    store: TokenStream,
+    splat: TokenStream,
+    add: TokenStream,
+    min: TokenStream,
+    max: TokenStream,
+    /// `fma(acc, a, b)` = acc + a*b, whatever the argument order of the intrinsic.
+    fma: fn(TokenStream, TokenStream, TokenStream) -> TokenStream,
+}
+
+fn simd(isa: Isa) -> Option<Simd> {
+    match isa {
+        Isa::Scalar => None,
+        Isa::Avx2 => Some(Simd {
+            lanes: 8,
+            arch: quote!(core::arch::x86_64),
+            feature: "avx2,fma",
+            zero: quote!(_mm256_setzero_ps()),
+            load: quote!(_mm256_loadu_ps),
+            store: quote!(_mm256_storeu_ps),
+            splat: quote!(_mm256_set1_ps),
+            add: quote!(_mm256_add_ps),
+            min: quote!(_mm256_min_ps),
+            max: quote!(_mm256_max_ps),
+            fma: |acc, a, b| quote!(_mm256_fmadd_ps(#a, #b, #acc)),
+        }),
+        Isa::Avx512 => Some(Simd {
+            lanes: 16,
+            arch: quote!(core::arch::x86_64),
+            feature: "avx512f",
+            zero: quote!(_mm512_setzero_ps()),
+            load: quote!(_mm512_loadu_ps),
+            store: quote!(_mm512_storeu_ps),
+            splat: quote!(_mm512_set1_ps),
+            add: quote!(_mm512_add_ps),
+            min: quote!(_mm512_min_ps),
+            max: quote!(_mm512_max_ps),
+            fma: |acc, a, b| quote!(_mm512_fmadd_ps(#a, #b, #acc)),
+        }),
+        Isa::Neon => Some(Simd {
+            lanes: 4,
+            arch: quote!(core::arch::aarch64),
+            feature: "neon",
+            zero: quote!(vdupq_n_f32(0.0)),
+            load: quote!(vld1q_f32),
+            store: quote!(vst1q_f32),
+            splat: quote!(vdupq_n_f32),
+            add: quote!(vaddq_f32),
+            min: quote!(vminq_f32),
+            max: quote!(vmaxq_f32),
+            fma: |acc, a, b| quote!(vfmaq_f32(#acc, #a, #b)),
+        }),
+    }
+}
+
+/// All GEMM kernels of the table and their registry.
+pub fn emit_all(specs: &[GemmSpec]) -> TokenStream {
+    let kernels: Vec<TokenStream> = specs.iter().map(emit_kernel).collect();
+    let entries: Vec<TokenStream> = specs
+        .iter()
+        .map(|s| {
+            let (mr, nr) = (s.mr, s.nr);
+            registry_entry(&s.name(), s.isa, quote!(mr: #mr, nr: #nr,))
+        })
+        .collect();
+    quote! {
+        use crate::gemm::{store_edge, GemmEpilogue, GemmKernel};
+
+        #(#kernels)*
+
+        /// Every f32 GEMM microkernel compiled for this target, from the generator's table.
+        pub static GEMM_F32_KERNELS: &[GemmKernel] = &[#(#entries)*];
+    }
+}
+
+/// An integer literal without a type suffix, so the generated code reads like hand-written code.
+fn lit(x: usize) -> Literal {
+    Literal::usize_unsuffixed(x)
+}
+
+fn emit_kernel(spec: &GemmSpec) -> TokenStream {
+    match simd(spec.isa) {
+        None => emit_scalar(spec),
+        Some(v) => emit_simd(spec, &v),
+    }
+}
+
+fn doc(spec: &GemmSpec) -> String {
+    format!(
+        " {}x{} f32 GEMM microkernel ({}): C[m x n] = A-panel · B-panel over `kc` steps, then the epilogue.\n\n \
+         # Safety\n The CPU must have the ISA; `a` holds `kc*{}` and `b` `kc*{}` readable floats; `c` (and the \
+         epilogue's bias and residual) are valid for `m <= {}` rows of stride `rs_c` and `n <= {}` columns.",
+        spec.mr,
+        spec.nr,
+        spec.isa.suffix(),
+        spec.mr,
+        spec.nr,
+        spec.mr,
+        spec.nr
+    )
+}
+
+fn emit_simd(spec: &GemmSpec, v: &Simd) -> TokenStream {
+    assert!(
+        spec.nr % v.lanes == 0,
+        "{}: nr must be a multiple of the vector width",
+        spec.name()
+    );
+    let (mr, nr, lanes) = (spec.mr, spec.nr, v.lanes);
+    let nv = nr / lanes;
+    let name = format_ident!("{}", spec.name());
+    let doc = doc(spec);
+    let cfg = spec.isa.cfg();
+    let (arch, feature) = (&v.arch, v.feature);
+    let (zero, load, store, splat, add, min, max) =
+        (&v.zero, &v.load, &v.store, &v.splat, &v.add, &v.min, &v.max);
+
+    let acc = |i: usize, j: usize| format_ident!("c{}_{}", i, j);
+    let all: Vec<(usize, usize)> = (0..mr).flat_map(|i| (0..nv).map(move |j| (i, j))).collect();
+    let decls = all.iter().map(|&(i, j)| {
+        let c = acc(i, j);
+        quote!(let mut #c = #zero;)
+    });
+    let b_loads = (0..nv).map(|j| {
+        let b = format_ident!("b{}", j);
+        let off = lit(j * lanes);
+        quote!(let #b = #load(b.add(#off));)
+    });
+    let fmas = (0..mr).map(|i| {
+        let body = (0..nv).map(|j| {
+            let c = acc(i, j);
+            let b = format_ident!("b{}", j);
+            let f = (v.fma)(quote!(#c), quote!(a_i), quote!(#b));
+            quote!(#c = #f;)
+        });
+        let i = lit(i);
+        quote! {
+            let a_i = #splat(*a.add(#i));
+            #(#body)*
+        }
+    });
+    let per_acc = |f: &dyn Fn(usize, usize, &proc_macro2::Ident) -> TokenStream| {
+        all.iter()
+            .map(|&(i, j)| f(i, j, &acc(i, j)))
+            .collect::<Vec<_>>()
+    };
+    let accumulate = per_acc(&|i, j, c| {
+        let (i, off) = (lit(i), lit(j * lanes));
+        quote!(#c = #add(#c, #load(c.offset(#i * rs_c).add(#off)));)
+    });
+    let bias_row = (0..mr).map(|i| {
+        let cs = (0..nv).map(|j| acc(i, j));
+        let i = lit(i);
+        quote! {
+            let bi = #splat(*ep.bias.add(#i));
+            #( #cs = #add(#cs, bi); )*
+        }
+    });
+    let bias_col = (0..nv).map(|j| {
+        let cs = (0..mr).map(|i| acc(i, j));
+        let off = lit(j * lanes);
+        quote! {
+            let bj = #load(ep.bias.add(#off));
+            #( #cs = #add(#cs, bj); )*
+        }
+    });
+    let residual = per_acc(&|i, j, c| {
+        let (i, off) = (lit(i), lit(j * lanes));
+        quote!(#c = #add(#c, #load(ep.residual.offset(#i * ep.rs_residual).add(#off)));)
+    });
+    let clamp = per_acc(&|_, _, c| quote!(#c = #min(#max(#c, lo), hi);));
+    let stores = per_acc(&|i, j, c| {
+        let (i, off) = (lit(i), lit(j * lanes));
+        quote!(#store(c.offset(#i * rs_c).add(#off), #c);)
+    });
+    let spills = per_acc(&|i, j, c| {
+        let off = lit(i * nr + j * lanes);
+        quote!(#store(tile.as_mut_ptr().add(#off), #c);)
+    });
+    let tile_len = lit(mr * nr);
+    let (mr, nr) = (lit(mr), lit(nr));
+
+    quote! {
+        #[doc = #doc]
+        #cfg
+        #[target_feature(enable = #feature)]
+        #[allow(clippy::too_many_arguments)]
+        pub unsafe fn #name(
+            kc: usize,
+            a: *const f32,
+            b: *const f32,
+            c: *mut f32,
+            rs_c: isize,
+            m: usize,
+            n: usize,
+            ep: &GemmEpilogue,
+        ) {
+            use #arch::*;
+            #(#decls)*
+            let (mut a, mut b) = (a, b);
+            for _ in 0..kc {
+                #(#b_loads)*
+                #(#fmas)*
+                a = a.add(#mr);
+                b = b.add(#nr);
+            }
+            if m == #mr && n == #nr {
+                if ep.accumulate {
+                    #(#accumulate)*
+                }
+                if ep.last {
+                    if !ep.bias.is_null() {
+                        if ep.bias_per_row {
+                            #(#bias_row)*
+                        } else {
+                            #(#bias_col)*
+                        }
+                    }
+                    if !ep.residual.is_null() {
+                        #(#residual)*
+                    }
+                    let (lo, hi) = (#splat(ep.min), #splat(ep.max));
+                    #(#clamp)*
+                }
+                #(#stores)*
+            } else {
+                let mut tile = [0.0f32; #tile_len];
+                #(#spills)*
+                store_edge(&tile, #nr, c, rs_c, m, n, ep);
+            }
+        }
+    }
+}
+
+fn emit_scalar(spec: &GemmSpec) -> TokenStream {
+    let name = format_ident!("{}", spec.name());
+    let doc = doc(spec);
+    let tile_len = lit(spec.mr * spec.nr);
+    let (mr, nr) = (lit(spec.mr), lit(spec.nr));
+    quote! {
+        #[doc = #doc]
+        #[allow(clippy::too_many_arguments)]
+        pub unsafe fn #name(
+            kc: usize,
+            a: *const f32,
+            b: *const f32,
+            c: *mut f32,
+            rs_c: isize,
+            m: usize,
+            n: usize,
+            ep: &GemmEpilogue,
+        ) {
+            let mut tile = [0.0f32; #tile_len];
+            for p in 0..kc {
+                let (ap, bp) = (a.add(p * #mr), b.add(p * #nr));
+                for i in 0..#mr {
+                    let ai = *ap.add(i);
+                    for j in 0..#nr {
+                        tile[i * #nr + j] += ai * *bp.add(j);
+                    }
+                }
+            }
+            store_edge(&tile, #nr, c, rs_c, m, n, ep);
+        }
+    }
+}

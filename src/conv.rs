@@ -1,0 +1,181 @@
+//! `Conv2d` / `Conv1d`: create (validate, choose, pack) and plan. The choice of algorithm
+//! lives here, in one place.
+
+use crate::algo::im2col_gemm::Im2colGemm;
+use crate::algo::Algorithm;
+use crate::cpu::Isa;
+use crate::plan::{AlgoPlan, Plan};
+use crate::{ConvParams, Error, Result};
+use std::sync::Arc;
+
+/// How a convolution runs: threads, ISA level, and (optionally) a forced algorithm.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Options {
+    /// 0: every thread of the current rayon pool (install your own pool to choose);
+    /// 1: the caller's thread only, no pool is touched; n: at most n workers.
+    pub threads: usize,
+    /// Run at this ISA level instead of the best one (or `CONVKIT_ISA`); never above what the
+    /// CPU has (that is `Error::IsaUnavailable`).
+    pub isa: Option<Isa>,
+    /// Run this algorithm instead of the one convkit would choose.
+    pub algorithm: Option<Algorithm>,
+}
+
+impl Options {
+    /// Options with `threads` workers.
+    pub fn threads(threads: usize) -> Self {
+        Options {
+            threads,
+            ..Default::default()
+        }
+    }
+}
+
+/// The packed weights of one algorithm.
+pub(crate) enum Packed {
+    Im2colGemm(Im2colGemm),
+}
+
+pub(crate) struct ConvInner {
+    pub params: ConvParams,
+    pub bias: Option<Vec<f32>>,
+    pub isa: Isa,
+    pub threads: usize,
+    pub algorithm: Algorithm,
+    pub packed: Packed,
+}
+
+/// A 2-D convolution with its weights packed: immutable, `Send + Sync`, cheap to clone.
+#[derive(Clone)]
+pub struct Conv2d {
+    inner: Arc<ConvInner>,
+}
+
+impl Conv2d {
+    /// Validates `params`, checks `weights` (OIHW, `out x in/groups x kh x kw`) and `bias`
+    /// (`out_channels`), chooses the algorithm and packs the weights for it.
+    pub fn new(
+        params: ConvParams,
+        weights: &[f32],
+        bias: Option<&[f32]>,
+        options: Options,
+    ) -> Result<Self> {
+        params.validate()?;
+        let expected = params.weights_len()?;
+        if weights.len() != expected {
+            return Err(Error::WrongLength {
+                what: "weights",
+                expected,
+                got: weights.len(),
+            });
+        }
+        if let Some(b) = bias {
+            if b.len() != params.out_channels {
+                return Err(Error::WrongLength {
+                    what: "bias",
+                    expected: params.out_channels,
+                    got: b.len(),
+                });
+            }
+        }
+        let isa = match options.isa {
+            Some(isa) => Isa::check(isa)?,
+            None => Isa::default_level()?,
+        };
+        let algorithm = options.algorithm.unwrap_or_else(|| choose(&params));
+        let packed = match algorithm {
+            Algorithm::Im2colGemm => Packed::Im2colGemm(Im2colGemm::new(&params, weights, isa)?),
+        };
+        let bias = bias.map(|b| b.to_vec());
+        Ok(Conv2d {
+            inner: Arc::new(ConvInner {
+                params,
+                bias,
+                isa,
+                threads: options.threads,
+                algorithm,
+                packed,
+            }),
+        })
+    }
+
+    pub fn params(&self) -> &ConvParams {
+        &self.inner.params
+    }
+
+    /// The ISA level the packed weights and kernels are for.
+    pub fn isa(&self) -> Isa {
+        self.inner.isa
+    }
+
+    pub fn algorithm(&self) -> Algorithm {
+        self.inner.algorithm
+    }
+
+    /// Fixes the input size: output shape, tiling, workspace size.
+    pub fn plan(&self, batch: usize, in_h: usize, in_w: usize) -> Result<Plan> {
+        let geometry = self.inner.params.geometry(batch, in_h, in_w)?;
+        let threads = match self.inner.threads {
+            0 => rayon::current_num_threads(),
+            t => t,
+        };
+        let algo = match &self.inner.packed {
+            Packed::Im2colGemm(a) => AlgoPlan::Im2colGemm(a.plan(&geometry, threads)),
+        };
+        Ok(Plan::new(self.inner.clone(), geometry, algo))
+    }
+}
+
+/// The choice of algorithm. One rule for now: im2col + GEMM takes every shape.
+fn choose(_params: &ConvParams) -> Algorithm {
+    Algorithm::Im2colGemm
+}
+
+/// A 1-D convolution: a thin front over [`Conv2d`] with height 1. Weights are
+/// `out x in/groups x kernel`; tensors are NCW (or NWC with `Layout::Nhwc`).
+#[derive(Clone)]
+pub struct Conv1d {
+    conv: Conv2d,
+}
+
+impl Conv1d {
+    /// `params` must describe a 1-D convolution (`ConvParams::conv1d`): kernel height,
+    /// stride height and dilation height 1, no vertical padding.
+    pub fn new(
+        params: ConvParams,
+        weights: &[f32],
+        bias: Option<&[f32]>,
+        options: Options,
+    ) -> Result<Self> {
+        let vertical_pad = match params.padding {
+            crate::Padding::Explicit { top, bottom, .. } => top + bottom,
+            _ => 0,
+        };
+        if params.kernel[0] != 1
+            || params.stride[0] != 1
+            || params.dilation[0] != 1
+            || vertical_pad != 0
+        {
+            return Err(Error::InvalidParameter {
+                what: "1-D convolution",
+                detail: format!(
+                    "kernel, stride and dilation height must be 1 and vertical padding 0; got kernel {:?}, stride {:?}, dilation {:?}, padding {:?}",
+                    params.kernel, params.stride, params.dilation, params.padding
+                ),
+            });
+        }
+        Ok(Conv1d {
+            conv: Conv2d::new(params, weights, bias, options)?,
+        })
+    }
+
+    /// Fixes the input length.
+    pub fn plan(&self, batch: usize, length: usize) -> Result<Plan> {
+        self.conv.plan(batch, 1, length)
+    }
+
+    /// The 2-D convolution underneath.
+    pub fn as_conv2d(&self) -> &Conv2d {
+        &self.conv
+    }
+}

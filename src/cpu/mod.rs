@@ -1,0 +1,148 @@
+//! ISA detection and the dispatch table of generated kernels.
+//!
+//! The ISA is detected once; `Options::isa` or the `CONVKIT_ISA` environment variable can
+//! lower it (never raise it past what the CPU has), which is how per-ISA tests and benches run
+//! every level on one machine. A kernel of an ISA the CPU lacks is never called.
+
+use crate::{Error, Result};
+use std::sync::OnceLock;
+
+/// The generated kernels (see `codegen/`), compiled for this target.
+#[allow(clippy::all)]
+pub(crate) mod generated {
+    include!(concat!(env!("OUT_DIR"), "/gemm_f32.rs"));
+}
+
+/// An instruction-set level. Levels of one architecture are ordered: a CPU that has one has
+/// every lower one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Isa {
+    /// Plain Rust, no explicit SIMD.
+    Scalar,
+    /// x86-64 AVX2 + FMA (x86-64-v3).
+    Avx2,
+    /// x86-64 AVX-512F (and the rest of x86-64-v4).
+    Avx512,
+    /// aarch64 Advanced SIMD.
+    Neon,
+}
+
+impl Isa {
+    /// Every level, lowest first.
+    pub const ALL: [Isa; 4] = [Isa::Scalar, Isa::Avx2, Isa::Avx512, Isa::Neon];
+
+    /// The lowercase name used in kernel names, `CONVKIT_ISA` and `--isa`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Scalar => "scalar",
+            Isa::Avx2 => "avx2",
+            Isa::Avx512 => "avx512",
+            Isa::Neon => "neon",
+        }
+    }
+
+    /// The levels this CPU can run, lowest first (always starts with `Scalar`).
+    pub fn available() -> &'static [Isa] {
+        static AVAILABLE: OnceLock<Vec<Isa>> = OnceLock::new();
+        AVAILABLE.get_or_init(detect)
+    }
+
+    /// The best level of this CPU.
+    pub fn best() -> Isa {
+        *Isa::available().last().unwrap_or(&Isa::Scalar)
+    }
+
+    /// The level convkit uses by default: `CONVKIT_ISA` if set, else the best one.
+    pub fn default_level() -> Result<Isa> {
+        match std::env::var("CONVKIT_ISA") {
+            Ok(s) if !s.is_empty() => Isa::check(s.parse()?),
+            _ => Ok(Isa::best()),
+        }
+    }
+
+    /// `Ok(isa)` if this CPU can run it, else `Error::IsaUnavailable`.
+    pub fn check(isa: Isa) -> Result<Isa> {
+        if Isa::available().contains(&isa) {
+            Ok(isa)
+        } else {
+            let available: Vec<&str> = Isa::available().iter().map(|i| i.name()).collect();
+            Err(Error::IsaUnavailable {
+                requested: isa.name().into(),
+                available: available.join(", "),
+            })
+        }
+    }
+}
+
+impl std::fmt::Display for Isa {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for Isa {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Isa> {
+        Isa::ALL
+            .into_iter()
+            .find(|i| i.name().eq_ignore_ascii_case(s.trim()))
+            .ok_or_else(|| Error::InvalidParameter {
+                what: "ISA name",
+                detail: format!("{s:?} is not one of scalar, avx2, avx512, neon"),
+            })
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn detect() -> Vec<Isa> {
+    let mut v = vec![Isa::Scalar];
+    // x86-64-v3: AVX2, FMA, F16C, BMI1/2, LZCNT, MOVBE — and the OS saves the ymm state.
+    if pulp::x86::V3::try_new().is_some() {
+        v.push(Isa::Avx2);
+        if std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bw")
+            && std::arch::is_x86_feature_detected!("avx512dq")
+            && std::arch::is_x86_feature_detected!("avx512vl")
+        {
+            v.push(Isa::Avx512);
+        }
+    }
+    v
+}
+
+#[cfg(target_arch = "aarch64")]
+fn detect() -> Vec<Isa> {
+    let mut v = vec![Isa::Scalar];
+    if std::arch::is_aarch64_feature_detected!("neon") {
+        v.push(Isa::Neon);
+    }
+    v
+}
+
+#[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+fn detect() -> Vec<Isa> {
+    vec![Isa::Scalar]
+}
+
+/// The f32 GEMM microkernel for `isa` (every ISA has one: the generator's table says so, and a
+/// test checks it).
+pub(crate) fn gemm_f32(isa: Isa) -> &'static crate::gemm::GemmKernel {
+    generated::GEMM_F32_KERNELS
+        .iter()
+        .find(|k| k.isa == isa)
+        .or_else(|| {
+            generated::GEMM_F32_KERNELS
+                .iter()
+                .find(|k| k.isa == Isa::Scalar)
+        })
+        .expect("the scalar GEMM kernel is always generated")
+}
+
+/// Names of the generated kernels available at each ISA level, for `convkit info`.
+pub fn kernel_names(isa: Isa) -> Vec<&'static str> {
+    generated::GEMM_F32_KERNELS
+        .iter()
+        .filter(|k| k.isa == isa)
+        .map(|k| k.name)
+        .collect()
+}

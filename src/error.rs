@@ -1,0 +1,63 @@
+//! Typed errors: every bad input says what is wrong and with which values.
+
+/// Everything that can go wrong in convkit. Nothing panics on bad input; it returns one of these.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A size or step that must be at least 1 was 0.
+    #[error("{what} must be at least 1, got 0")]
+    Zero { what: &'static str },
+    /// Channels are not a multiple of the group count.
+    #[error("{what} ({channels}) is not divisible by groups ({groups})")]
+    NotDivisibleByGroups {
+        what: &'static str,
+        channels: usize,
+        groups: usize,
+    },
+    /// The dilated kernel does not fit in the padded input.
+    #[error(
+        "kernel {axis} {kernel} with dilation {dilation} spans {span}, larger than the padded input \
+         {padded} (input {input} + padding {pad_begin}+{pad_end})"
+    )]
+    KernelTooLarge {
+        axis: &'static str,
+        kernel: usize,
+        dilation: usize,
+        span: usize,
+        padded: usize,
+        input: usize,
+        pad_begin: usize,
+        pad_end: usize,
+    },
+    /// A product of sizes does not fit in memory addresses.
+    #[error("size overflow: {what} does not fit in usize/isize")]
+    Overflow { what: &'static str },
+    /// A slice has the wrong number of elements.
+    #[error("{what} has {got} elements, expected {expected}")]
+    WrongLength {
+        what: &'static str,
+        expected: usize,
+        got: usize,
+    },
+    /// A parameter value that is out of its domain (NaN bounds, min > max, …).
+    #[error("invalid {what}: {detail}")]
+    InvalidParameter { what: &'static str, detail: String },
+    /// An allocation failed (or would exceed the address space).
+    #[error("out of memory: cannot allocate {bytes} bytes for {what}")]
+    OutOfMemory { what: &'static str, bytes: usize },
+    /// The requested ISA is not available on this CPU.
+    #[error("ISA {requested} is not available on this CPU (available: {available})")]
+    IsaUnavailable {
+        requested: String,
+        available: String,
+    },
+    /// The forced algorithm does not accept this convolution.
+    #[error("algorithm {algorithm} cannot run this convolution: {reason}")]
+    AlgorithmUnsupported {
+        algorithm: &'static str,
+        reason: String,
+    },
+}
+
+/// `Result` with convkit's [`Error`].
+pub type Result<T> = std::result::Result<T, Error>;

@@ -1,0 +1,347 @@
+//! The BLIS-style blocked GEMM driver. Microkernels come from the generator (`codegen/`);
+//! everything ISA-free — blocking, packing, the loops, edge handling — lives here, once.
+//!
+//! Loop order (BLIS): `jc` over N in blocks of `nc`, `pc` over K in blocks of `kc` (pack the B
+//! block, `kc x nc`, into the workspace), `ic` over M in blocks of `mc` (pack the A block,
+//! `mc x kc`, unless it was packed at create time), then `jr` over the B micro-panels (one
+//! stays in L1) and `ir` over the A micro-panels (streamed from L2). The epilogue (bias,
+//! residual, clamp) runs in the kernel's registers on the last K-block; other activations run
+//! over the tile right after its store, while it is still in L1.
+
+pub(crate) mod pack;
+
+use crate::cpu::Isa;
+use crate::{Activation, Error, Result};
+
+/// The signature every f32 GEMM microkernel has (see `codegen/src/gemm.rs`).
+pub type GemmKernelFn =
+    unsafe fn(usize, *const f32, *const f32, *mut f32, isize, usize, usize, &GemmEpilogue);
+
+/// A generated microkernel and its register tile.
+pub struct GemmKernel {
+    pub name: &'static str,
+    pub isa: Isa,
+    pub func: GemmKernelFn,
+    pub mr: usize,
+    pub nr: usize,
+}
+
+/// What a microkernel does after the products: the kernel contract's params struct.
+#[repr(C)]
+pub struct GemmEpilogue {
+    /// Add the product to what C holds (K-blocks after the first). Otherwise C is not read.
+    pub accumulate: bool,
+    /// This is the last K-block: apply bias, residual and clamp.
+    pub last: bool,
+    /// Null, or the bias of this tile: indexed by row if `bias_per_row`, else by column.
+    pub bias: *const f32,
+    pub bias_per_row: bool,
+    /// Null, or the residual at this tile's position (rows `rs_residual` apart).
+    pub residual: *const f32,
+    pub rs_residual: isize,
+    pub min: f32,
+    pub max: f32,
+}
+
+/// Stores the edge tile `tile` (rows `ld` apart) into the `m x n` corner of C with the
+/// epilogue, in scalar code. Every generated kernel calls it for partial tiles.
+///
+/// # Safety
+/// `c` (and the epilogue's bias and residual) must be valid for `m` rows of stride `rs_c` and
+/// `n` columns, as for the kernel that calls it; `tile` must hold `m` rows of `ld >= n` floats.
+pub unsafe fn store_edge(
+    tile: &[f32],
+    ld: usize,
+    c: *mut f32,
+    rs_c: isize,
+    m: usize,
+    n: usize,
+    ep: &GemmEpilogue,
+) {
+    for i in 0..m {
+        let row = c.offset(i as isize * rs_c);
+        for j in 0..n {
+            let mut v = tile[i * ld + j];
+            if ep.accumulate {
+                v += *row.add(j);
+            }
+            if ep.last {
+                if !ep.bias.is_null() {
+                    v += *ep.bias.add(if ep.bias_per_row { i } else { j });
+                }
+                if !ep.residual.is_null() {
+                    v += *ep.residual.offset(i as isize * ep.rs_residual).add(j);
+                }
+                v = v.max(ep.min).min(ep.max);
+            }
+            *row.add(j) = v;
+        }
+    }
+}
+
+/// Block sizes of the driver, in elements. `mc` is a multiple of the kernel's `mr`, `nc` of
+/// its `nr`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Blocking {
+    pub mc: usize,
+    pub kc: usize,
+    pub nc: usize,
+}
+
+/// Largest K-block: a `kc x nr` B micro-panel (16 KiB for AVX2's 6x16) stays in L1 while the
+/// A micro-panels stream past it.
+const KC_MAX: usize = 256;
+/// A block `mc x kc` stays in L2 (512 KiB on Zen3, 1–2 MiB on recent Intel).
+const MC_TARGET: usize = 144;
+/// B block `kc x nc` lives in L2/L3 and bounds the workspace: 256 x 512 floats = 512 KiB.
+pub(crate) const NC_MAX: usize = 512;
+
+impl Blocking {
+    /// Blocks for a GEMM of depth `k`: K split into equal blocks of at most `KC_MAX`, so no
+    /// block is a short remainder.
+    pub(crate) fn new(kern: &GemmKernel, k: usize, nc: usize) -> Blocking {
+        let kblocks = k.div_ceil(KC_MAX).max(1);
+        let kc = k.div_ceil(kblocks);
+        let mc = (MC_TARGET / kern.mr).max(1) * kern.mr;
+        Blocking {
+            mc,
+            kc,
+            nc: nc.div_ceil(kern.nr).max(1) * kern.nr,
+        }
+    }
+
+    /// Floats of scratch one worker needs to pack an A block (`mc x kc`).
+    pub(crate) fn a_scratch(&self) -> usize {
+        self.mc * self.kc
+    }
+    /// Floats of scratch one worker needs to pack a B block (`kc x nc`).
+    pub(crate) fn b_scratch(&self) -> usize {
+        self.kc * self.nc
+    }
+}
+
+/// Where a GEMM operand's micro-panels come from: packed at create time, or packed per block
+/// into the workspace (plain matrices, im2col tiles).
+pub(crate) trait Panels {
+    /// True if `panels` never writes `dst` (the data was packed at create time).
+    const PREPACKED: bool;
+    /// Makes the micro-panels (width `r`, zero-padded) of rows/columns `start..start+len` over
+    /// K `k0..k0+kc` available; returns a pointer to the first and the distance in floats
+    /// between consecutive micro-panels.
+    fn panels(
+        &self,
+        start: usize,
+        len: usize,
+        k0: usize,
+        kc: usize,
+        r: usize,
+        dst: &mut [f32],
+    ) -> (*const f32, usize);
+}
+
+/// Output tile and epilogue of one GEMM call: C is `m x n`, rows `rs_c` apart.
+pub(crate) struct Output<'a> {
+    pub c: *mut f32,
+    pub rs_c: isize,
+    /// Bias indexed by row (NCHW: output channel) or column (NHWC).
+    pub bias: Option<&'a [f32]>,
+    pub bias_per_row: bool,
+    /// Residual with the same layout as C.
+    pub residual: *const f32,
+    pub activation: Activation,
+}
+
+/// `C = A·B` (+ epilogue) for `m x n x k`, single-threaded; the caller splits work between
+/// threads.
+///
+/// # Safety
+/// `out.c` (and `out.residual` if not null) must be valid for `m` rows of `n` floats, rows
+/// `out.rs_c` apart, and not be written by anyone else during the call; `out.bias` must hold
+/// `m` (by row) or `n` (by column) values. The kernel's ISA must be available.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn gemm<A: Panels, B: Panels>(
+    kern: &GemmKernel,
+    blk: &Blocking,
+    m: usize,
+    n: usize,
+    k: usize,
+    a: &A,
+    b: &B,
+    out: &Output,
+    a_buf: &mut [f32],
+    b_buf: &mut [f32],
+) {
+    let (mr, nr) = (kern.mr, kern.nr);
+    let (min, max) = out.activation.clamp_bounds();
+    let pass = out.activation.needs_pass();
+    let nc = if B::PREPACKED {
+        n.div_ceil(nr) * nr
+    } else {
+        blk.nc
+    };
+    for jc in (0..n).step_by(nc) {
+        let ncur = nc.min(n - jc);
+        let mut pc = 0;
+        while pc < k {
+            let kc = blk.kc.min(k - pc);
+            let last = pc + kc == k;
+            let (bp, b_stride) = b.panels(jc, ncur, pc, kc, nr, b_buf);
+            for ic in (0..m).step_by(blk.mc) {
+                let mcur = blk.mc.min(m - ic);
+                let (ap, a_stride) = a.panels(ic, mcur, pc, kc, mr, a_buf);
+                for jr in (0..ncur).step_by(nr) {
+                    let col = jc + jr;
+                    let nn = nr.min(ncur - jr);
+                    let bpanel = bp.add(jr / nr * b_stride);
+                    for ir in (0..mcur).step_by(mr) {
+                        let row = ic + ir;
+                        let mm = mr.min(mcur - ir);
+                        let c = out.c.offset(row as isize * out.rs_c).add(col);
+                        let ep = GemmEpilogue {
+                            accumulate: pc > 0,
+                            last,
+                            bias: match out.bias {
+                                Some(bias) if out.bias_per_row => bias.as_ptr().add(row),
+                                Some(bias) => bias.as_ptr().add(col),
+                                None => std::ptr::null(),
+                            },
+                            bias_per_row: out.bias_per_row,
+                            residual: if out.residual.is_null() {
+                                out.residual
+                            } else {
+                                out.residual.offset(row as isize * out.rs_c).add(col)
+                            },
+                            rs_residual: out.rs_c,
+                            min,
+                            max,
+                        };
+                        // SAFETY: the panels hold kc steps of mr/nr floats (packers zero-pad);
+                        // c is inside the caller's m x n output; the ISA was checked at create.
+                        (kern.func)(
+                            kc,
+                            ap.add(ir / mr * a_stride),
+                            bpanel,
+                            c,
+                            out.rs_c,
+                            mm,
+                            nn,
+                            &ep,
+                        );
+                        if last && pass {
+                            for i in 0..mm {
+                                let r = std::slice::from_raw_parts_mut(
+                                    c.offset(i as isize * out.rs_c),
+                                    nn,
+                                );
+                                r.iter_mut().for_each(|v| *v = out.activation.apply(*v));
+                            }
+                        }
+                    }
+                }
+            }
+            pc += kc;
+        }
+    }
+}
+
+/// `C = A·B` for row-major matrices (`m x k`, `k x n`, `m x n`, with leading dimensions), on
+/// the caller's thread with the best ISA (or `CONVKIT_ISA`). The blocked GEMM that the
+/// convolutions use, exposed for benchmarks and for users who need a plain SGEMM.
+#[allow(clippy::too_many_arguments)]
+pub fn sgemm(
+    m: usize,
+    n: usize,
+    k: usize,
+    a: &[f32],
+    lda: usize,
+    b: &[f32],
+    ldb: usize,
+    c: &mut [f32],
+    ldc: usize,
+) -> Result<()> {
+    let mut ws = crate::Workspace::new();
+    sgemm_with(
+        Isa::default_level()?,
+        m,
+        n,
+        k,
+        a,
+        lda,
+        b,
+        ldb,
+        c,
+        ldc,
+        &mut ws,
+    )
+}
+
+/// [`sgemm`] at a given ISA level with a caller-kept workspace (no allocation once it is large
+/// enough).
+#[allow(clippy::too_many_arguments)]
+pub fn sgemm_with(
+    isa: Isa,
+    m: usize,
+    n: usize,
+    k: usize,
+    a: &[f32],
+    lda: usize,
+    b: &[f32],
+    ldb: usize,
+    c: &mut [f32],
+    ldc: usize,
+    ws: &mut crate::Workspace,
+) -> Result<()> {
+    let isa = Isa::check(isa)?;
+    for (what, v) in [("m", m), ("n", n), ("k", k)] {
+        if v == 0 {
+            return Err(Error::Zero { what });
+        }
+    }
+    for (what, ld, cols) in [("lda", lda, k), ("ldb", ldb, n), ("ldc", ldc, n)] {
+        if ld < cols {
+            return Err(Error::InvalidParameter {
+                what,
+                detail: format!("{ld} is less than the row length {cols}"),
+            });
+        }
+    }
+    for (what, slice, rows, ld, cols) in [
+        ("a", a.len(), m, lda, k),
+        ("b", b.len(), k, ldb, n),
+        ("c", c.len(), m, ldc, n),
+    ] {
+        let need = crate::params::mul(&[rows - 1, ld], what)?
+            .checked_add(cols)
+            .ok_or(Error::Overflow { what })?;
+        if slice < need {
+            return Err(Error::WrongLength {
+                what,
+                expected: need,
+                got: slice,
+            });
+        }
+    }
+    if ldc > isize::MAX as usize / 4 {
+        return Err(Error::Overflow { what: "ldc" });
+    }
+    let kern = crate::cpu::gemm_f32(isa);
+    let blk = Blocking::new(kern, k, NC_MAX);
+    let scratch = ws.floats(blk.a_scratch() + blk.b_scratch())?;
+    let (a_buf, b_buf) = scratch.split_at_mut(blk.a_scratch());
+    let out = Output {
+        c: c.as_mut_ptr(),
+        rs_c: ldc as isize,
+        bias: None,
+        bias_per_row: false,
+        residual: std::ptr::null(),
+        activation: Activation::None,
+    };
+    let (pa, pb) = (
+        pack::RowMajorA { data: a, ld: lda },
+        pack::RowMajorB { data: b, ld: ldb },
+    );
+    // SAFETY: c was checked to hold m rows of n floats ldc apart and is borrowed mutably; the
+    // ISA was checked above.
+    unsafe { gemm(kern, &blk, m, n, k, &pa, &pb, &out, a_buf, b_buf) };
+    Ok(())
+}

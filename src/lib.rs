@@ -1,0 +1,49 @@
+//! # convkit
+//!
+//! Specialised CPU convolution kernels, chosen at run time for the CPU at hand, with a
+//! generic im2col+GEMM path that takes every shape.
+//!
+//! Three phases, as in XNNPACK: **create** ([`Conv2d::new`]: validate, choose, pack the
+//! weights once), **plan** ([`Conv2d::plan`]: fix the input size, output shape and workspace),
+//! **run** ([`Plan::run`]: no allocation once the [`Workspace`] is large enough).
+//!
+//! ```
+//! use convkit::{Activation, Conv2d, ConvParams, Options, Padding, Workspace};
+//!
+//! // 3x3 convolution, 8 -> 16 channels, "same" padding, fused ReLU.
+//! let params = ConvParams::conv2d(8, 16, [3, 3])
+//!     .with_padding(Padding::Same)
+//!     .with_activation(Activation::Relu);
+//! let weights = vec![0.01f32; 16 * 8 * 3 * 3];
+//! let bias = vec![0.5f32; 16];
+//! let conv = Conv2d::new(params, &weights, Some(&bias), Options::default())?;
+//!
+//! let plan = conv.plan(1, 32, 32)?;
+//! assert_eq!(plan.output_shape(), [1, 16, 32, 32]);
+//! let input = vec![1.0f32; plan.input_len()];
+//! let mut output = vec![0.0f32; plan.output_len()];
+//! let mut workspace = Workspace::new(); // share one across every layer of a network
+//! plan.run(&input, &mut output, &mut workspace)?;
+//! assert!((output[16 * 32 + 16] - (0.5 + 8.0 * 9.0 * 0.01)).abs() < 1e-5);
+//! # Ok::<(), convkit::Error>(())
+//! ```
+
+mod algo;
+mod buffer;
+mod conv;
+pub mod cpu;
+mod epilogue;
+mod error;
+pub mod gemm;
+mod params;
+mod plan;
+pub mod reference;
+
+pub use algo::Algorithm;
+pub use buffer::Workspace;
+pub use conv::{Conv1d, Conv2d, Options};
+pub use cpu::Isa;
+pub use epilogue::Activation;
+pub use error::{Error, Result};
+pub use params::{ConvParams, Geometry, Layout, Padding};
+pub use plan::Plan;

@@ -1,0 +1,136 @@
+//! `Plan`: a convolution with its input size fixed; `run` checks lengths and runs.
+
+use crate::algo::im2col_gemm::GemmPlan;
+use crate::algo::Algorithm;
+use crate::conv::{ConvInner, Packed};
+use crate::params::Geometry;
+use crate::{Error, Layout, Result, Workspace};
+use std::sync::Arc;
+
+pub(crate) enum AlgoPlan {
+    Im2colGemm(GemmPlan),
+}
+
+/// A convolution planned for one input size. Running it allocates nothing once the
+/// workspace holds `workspace_bytes()`.
+#[derive(Clone)]
+pub struct Plan {
+    conv: Arc<ConvInner>,
+    geometry: Geometry,
+    algo: Arc<AlgoPlan>,
+}
+
+impl Plan {
+    pub(crate) fn new(conv: Arc<ConvInner>, geometry: Geometry, algo: AlgoPlan) -> Self {
+        Plan {
+            conv,
+            geometry,
+            algo: Arc::new(algo),
+        }
+    }
+
+    /// Input size, padding and output size.
+    pub fn geometry(&self) -> &Geometry {
+        &self.geometry
+    }
+
+    /// Output shape in the convolution's layout order (NCHW or NHWC).
+    pub fn output_shape(&self) -> [usize; 4] {
+        let g = &self.geometry;
+        match g.layout {
+            Layout::Nchw => [g.batch, g.c_out, g.oh, g.ow],
+            Layout::Nhwc => [g.batch, g.oh, g.ow, g.c_out],
+        }
+    }
+
+    /// Elements the input slice must have.
+    pub fn input_len(&self) -> usize {
+        self.geometry.input_len()
+    }
+
+    /// Elements the output (and residual) slice must have.
+    pub fn output_len(&self) -> usize {
+        self.geometry.output_len()
+    }
+
+    /// Bytes of workspace `run` needs.
+    pub fn workspace_bytes(&self) -> usize {
+        4 * match &*self.algo {
+            AlgoPlan::Im2colGemm(p) => p.workspace_floats(),
+        }
+    }
+
+    /// The algorithm that runs.
+    pub fn algorithm(&self) -> Algorithm {
+        self.conv.algorithm
+    }
+
+    /// The algorithm and the kernel that runs, e.g. `im2col_gemm/gemm_f32_6x16_avx2`.
+    pub fn kernel_name(&self) -> String {
+        match &self.conv.packed {
+            Packed::Im2colGemm(a) => format!("{}/{}", self.conv.algorithm, a.kernel_name()),
+        }
+    }
+
+    /// Direct-convolution flops (2 per multiply-add), the convention of GFLOP/s figures.
+    pub fn flops(&self) -> f64 {
+        self.geometry.flops()
+    }
+
+    /// `output = act(conv(input) + bias)`.
+    pub fn run(&self, input: &[f32], output: &mut [f32], workspace: &mut Workspace) -> Result<()> {
+        self.run_inner(input, None, output, workspace)
+    }
+
+    /// `output = act(conv(input) + bias + residual)`; `residual` has the output's shape.
+    pub fn run_with_residual(
+        &self,
+        input: &[f32],
+        residual: &[f32],
+        output: &mut [f32],
+        workspace: &mut Workspace,
+    ) -> Result<()> {
+        self.run_inner(input, Some(residual), output, workspace)
+    }
+
+    fn run_inner(
+        &self,
+        input: &[f32],
+        residual: Option<&[f32]>,
+        output: &mut [f32],
+        ws: &mut Workspace,
+    ) -> Result<()> {
+        let checks = [
+            ("input", self.input_len(), Some(input.len())),
+            ("output", self.output_len(), Some(output.len())),
+            ("residual", self.output_len(), residual.map(|r| r.len())),
+        ];
+        for (what, expected, got) in checks {
+            if let Some(got) = got {
+                if got != expected {
+                    return Err(Error::WrongLength {
+                        what,
+                        expected,
+                        got,
+                    });
+                }
+            }
+        }
+        let scratch = ws.floats(self.workspace_bytes() / 4)?;
+        let c = &*self.conv;
+        let bias = c.bias.as_deref();
+        match (&c.packed, &*self.algo) {
+            (Packed::Im2colGemm(a), AlgoPlan::Im2colGemm(p)) => a.run(
+                p,
+                &self.geometry,
+                input,
+                residual,
+                output,
+                bias,
+                c.params.activation,
+                scratch,
+            ),
+        }
+        Ok(())
+    }
+}

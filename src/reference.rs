@@ -1,0 +1,171 @@
+//! The obviously-correct convolution: nested loops straight from the definition, f64
+//! accumulation, both layouts, every parameter. The ground truth of every test and of
+//! `convkit bench`'s error column.
+
+use crate::params::Geometry;
+use crate::{ConvParams, Error, Layout, Result};
+
+/// The reference result, with what each output's rounding error can be measured against.
+pub struct Reference {
+    /// The exact-as-f64 outputs, in the convolution's layout.
+    pub values: Vec<f64>,
+    /// For each output, Σ|x·w| + |bias| + |residual|: the scale of its rounding error.
+    pub magnitude: Vec<f64>,
+    /// The reduction length (c_in/groups · kh · kw).
+    pub k_len: usize,
+}
+
+/// Index of element (n, c, y, x) of a `c x h x w` tensor in `layout`.
+fn at(
+    layout: Layout,
+    (c, h, w): (usize, usize, usize),
+    n: usize,
+    ch: usize,
+    y: usize,
+    x: usize,
+) -> usize {
+    match layout {
+        Layout::Nchw => ((n * c + ch) * h + y) * w + x,
+        Layout::Nhwc => ((n * h + y) * w + x) * c + ch,
+    }
+}
+
+/// `act(conv(input, weights) + bias + residual)` computed from the definition.
+#[allow(clippy::too_many_arguments)]
+pub fn conv(
+    params: &ConvParams,
+    batch: usize,
+    in_h: usize,
+    in_w: usize,
+    input: &[f32],
+    weights: &[f32],
+    bias: Option<&[f32]>,
+    residual: Option<&[f32]>,
+) -> Result<Reference> {
+    let g: Geometry = params.geometry(batch, in_h, in_w)?;
+    for (what, expected, got) in [
+        ("input", g.input_len(), Some(input.len())),
+        ("weights", params.weights_len()?, Some(weights.len())),
+        ("bias", g.c_out, bias.map(|b| b.len())),
+        ("residual", g.output_len(), residual.map(|r| r.len())),
+    ] {
+        if let Some(got) = got {
+            if got != expected {
+                return Err(Error::WrongLength {
+                    what,
+                    expected,
+                    got,
+                });
+            }
+        }
+    }
+    let (cin_g, cout_g) = (g.cin_g(), g.cout_g());
+    let mut values = vec![0.0; g.output_len()];
+    let mut magnitude = vec![0.0; g.output_len()];
+    for n in 0..g.batch {
+        for co in 0..g.c_out {
+            let group = co / cout_g;
+            for oy in 0..g.oh {
+                for ox in 0..g.ow {
+                    let (mut sum, mut mag) = (0.0f64, 0.0f64);
+                    for ci in 0..cin_g {
+                        for ky in 0..g.kh {
+                            for kx in 0..g.kw {
+                                // Input row/column, before removing the padding.
+                                let y = oy * g.sh + ky * g.dh;
+                                let x = ox * g.sw + kx * g.dw;
+                                if y < g.pad_top
+                                    || x < g.pad_left
+                                    || y - g.pad_top >= g.h
+                                    || x - g.pad_left >= g.w
+                                {
+                                    continue; // zero padding
+                                }
+                                let xi = at(
+                                    g.layout,
+                                    (g.c_in, g.h, g.w),
+                                    n,
+                                    group * cin_g + ci,
+                                    y - g.pad_top,
+                                    x - g.pad_left,
+                                );
+                                let wi = ((co * cin_g + ci) * g.kh + ky) * g.kw + kx;
+                                let p = input[xi] as f64 * weights[wi] as f64;
+                                sum += p;
+                                mag += p.abs();
+                            }
+                        }
+                    }
+                    let o = at(g.layout, (g.c_out, g.oh, g.ow), n, co, oy, ox);
+                    for extra in [bias.map(|b| b[co]), residual.map(|r| r[o])]
+                        .into_iter()
+                        .flatten()
+                    {
+                        sum += extra as f64;
+                        mag += (extra as f64).abs();
+                    }
+                    values[o] = params.activation.apply_f64(sum);
+                    magnitude[o] = mag;
+                }
+            }
+        }
+    }
+    Ok(Reference {
+        values,
+        magnitude,
+        k_len: g.k_len(),
+    })
+}
+
+/// How far a result is from the reference.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Comparison {
+    /// Largest |result - reference|.
+    pub max_abs: f64,
+    /// Largest error as a fraction of its tolerance (≤ 1 passes).
+    pub worst_ratio: f64,
+    /// Index of the worst element.
+    pub worst_index: usize,
+    /// Non-finite results where the reference is finite.
+    pub non_finite: usize,
+}
+
+impl Comparison {
+    pub fn passed(&self) -> bool {
+        self.non_finite == 0 && self.worst_ratio <= 1.0
+    }
+}
+
+impl Reference {
+    /// The tolerance of output `i` for an f32 computation: rounding grows like √K times the
+    /// magnitude of the terms (errors of blocked f32 sums add like a random walk; 8 units of
+    /// roundoff keeps false alarms out), plus a few ulp for the activation.
+    pub fn tolerance(&self, i: usize) -> f64 {
+        let u = f32::EPSILON as f64 / 2.0;
+        8.0 * u * ((self.k_len as f64).sqrt() + 2.0) * self.magnitude[i]
+            + 8.0 * u * self.values[i].abs()
+            + 1e-30
+    }
+
+    /// Compares `out` against the reference with [`Reference::tolerance`].
+    pub fn compare(&self, out: &[f32]) -> Comparison {
+        let mut c = Comparison::default();
+        for (i, (&y, &r)) in out.iter().zip(&self.values).enumerate() {
+            if !y.is_finite() && r.is_finite() {
+                c.non_finite += 1;
+                continue;
+            }
+            let err = (y as f64 - r).abs();
+            let ratio = err / self.tolerance(i);
+            c.max_abs = c.max_abs.max(err);
+            if ratio > c.worst_ratio {
+                c.worst_ratio = ratio;
+                c.worst_index = i;
+            }
+        }
+        if out.len() != self.values.len() {
+            c.non_finite += out.len().abs_diff(self.values.len());
+        }
+        c
+    }
+}

@@ -1,0 +1,241 @@
+//! Property tests: every algorithm at every ISA level this CPU has, against the reference,
+//! over random shapes, layouts, paddings, groups, strides, dilations and epilogues.
+
+mod common;
+
+use common::{cases, Rng};
+use convkit::{
+    reference, Activation, Algorithm, Conv2d, ConvParams, Isa, Layout, Options, Padding, Workspace,
+};
+use proptest::prelude::*;
+
+#[derive(Clone, Debug)]
+struct Case {
+    params: ConvParams,
+    batch: usize,
+    h: usize,
+    w: usize,
+    bias: bool,
+    residual: bool,
+    seed: u64,
+}
+
+fn activation() -> impl Strategy<Value = Activation> {
+    prop_oneof![
+        Just(Activation::None),
+        Just(Activation::Relu),
+        Just(Activation::Relu6),
+        Just(Activation::Clamp {
+            min: -0.5,
+            max: 0.25
+        }),
+        Just(Activation::LeakyRelu { alpha: 0.1 }),
+        Just(Activation::Silu),
+        Just(Activation::Gelu),
+        Just(Activation::HardSwish),
+        Just(Activation::Sigmoid),
+    ]
+}
+
+fn padding() -> impl Strategy<Value = Padding> {
+    prop_oneof![
+        (0usize..4, 0usize..4, 0usize..4, 0usize..4).prop_map(|(top, bottom, left, right)| {
+            Padding::Explicit {
+                top,
+                bottom,
+                left,
+                right,
+            }
+        }),
+        Just(Padding::Same),
+        Just(Padding::SameLower),
+        Just(Padding::Valid),
+    ]
+}
+
+/// Small shapes of every kind; `scale` widens channels and images so that K-blocks, M-blocks
+/// and N-blocks of the GEMM are crossed too.
+fn case(scale: usize) -> impl Strategy<Value = Case> {
+    (
+        (1usize..4, 1usize..6 * scale, 1usize..6 * scale, 0usize..3),
+        (
+            1usize..5,
+            1usize..5,
+            1usize..4,
+            1usize..4,
+            1usize..3,
+            1usize..3,
+        ),
+        (
+            padding(),
+            prop_oneof![Just(Layout::Nchw), Just(Layout::Nhwc)],
+            activation(),
+        ),
+        (
+            1usize..3,
+            1usize..10 * scale,
+            1usize..10 * scale,
+            any::<bool>(),
+            any::<bool>(),
+            any::<u64>(),
+        ),
+    )
+        .prop_map(
+            |(
+                (groups, cin_g, cout_g, mult),
+                (kh, kw, sh, sw, dh, dw),
+                (padding, layout, act),
+                (batch, h, w, bias, residual, seed),
+            )| {
+                // One in three cases is depthwise (groups == in_channels) with a multiplier.
+                let (groups, cin_g, cout_g) = if mult > 0 {
+                    (groups * cin_g, 1, mult)
+                } else {
+                    (groups, cin_g, cout_g)
+                };
+                let params = ConvParams::conv2d(groups * cin_g, groups * cout_g, [kh, kw])
+                    .with_groups(groups)
+                    .with_stride([sh, sw])
+                    .with_dilation([dh, dw])
+                    .with_padding(padding)
+                    .with_layout(layout)
+                    .with_activation(act);
+                Case {
+                    params,
+                    batch,
+                    h,
+                    w,
+                    bias,
+                    residual,
+                    seed,
+                }
+            },
+        )
+}
+
+/// Runs `case` with every algorithm, ISA and thread count and compares with the reference.
+fn check(case: &Case) -> Result<(), TestCaseError> {
+    let p = &case.params;
+    // Shapes whose kernel does not fit the padded input are rejected by both; skip them.
+    prop_assume!(p.geometry(case.batch, case.h, case.w).is_ok());
+    let mut rng = Rng::new(case.seed);
+    let weights = rng.vec(p.weights_len().unwrap());
+    let bias = case.bias.then(|| rng.vec(p.out_channels));
+    let g = p.geometry(case.batch, case.h, case.w).unwrap();
+    let input = rng.vec(g.input_len());
+    let residual = case.residual.then(|| rng.vec(g.output_len()));
+    let reference = reference::conv(
+        p,
+        case.batch,
+        case.h,
+        case.w,
+        &input,
+        &weights,
+        bias.as_deref(),
+        residual.as_deref(),
+    )
+    .unwrap();
+    let mut ws = Workspace::new();
+    for &isa in Isa::available() {
+        for algorithm in Algorithm::ALL {
+            for threads in [1, 2] {
+                let opts = Options {
+                    threads,
+                    isa: Some(isa),
+                    algorithm: Some(algorithm),
+                };
+                let conv = Conv2d::new(*p, &weights, bias.as_deref(), opts).unwrap();
+                let plan = conv.plan(case.batch, case.h, case.w).unwrap();
+                let mut out = vec![f32::NAN; plan.output_len()];
+                match &residual {
+                    Some(r) => plan
+                        .run_with_residual(&input, r, &mut out, &mut ws)
+                        .unwrap(),
+                    None => plan.run(&input, &mut out, &mut ws).unwrap(),
+                }
+                let c = reference.compare(&out);
+                prop_assert!(
+                    c.passed(),
+                    "{} at {isa}, {threads} threads: error {:e} at {} is {:.2}x the tolerance {:e} ({} non-finite)",
+                    plan.kernel_name(),
+                    c.max_abs,
+                    c.worst_index,
+                    c.worst_ratio,
+                    reference.tolerance(c.worst_index),
+                    c.non_finite
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: cases(300), ..ProptestConfig::default() })]
+    #[test]
+    fn small_shapes_match_reference(case in case(1)) {
+        check(&case)?;
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: cases(300) / 10, ..ProptestConfig::default() })]
+    #[test]
+    fn larger_shapes_match_reference(case in case(8)) {
+        check(&case)?;
+    }
+}
+
+/// Shapes that cross every blocking boundary of the GEMM driver: K > 256 (several K-blocks),
+/// M > 144 (several M-blocks), more than 512 pixels (several N-blocks), both layouts.
+#[test]
+fn blocking_boundaries_match_reference() {
+    for (layout, cin, cout, hw, k) in [
+        (Layout::Nchw, 40, 150, 27, 3),
+        (Layout::Nhwc, 40, 150, 27, 3),
+        (Layout::Nchw, 300, 20, 24, 1),
+        (Layout::Nhwc, 300, 20, 24, 1),
+    ] {
+        let p = ConvParams::conv2d(cin, cout, [k, k])
+            .with_padding(Padding::Same)
+            .with_layout(layout);
+        let case = Case {
+            params: p,
+            batch: 2,
+            h: hw,
+            w: hw,
+            bias: true,
+            residual: true,
+            seed: 7,
+        };
+        check(&case).unwrap();
+    }
+}
+
+/// 1-D convolutions through `Conv1d`, with the strided 3-tap shape of Whisper's front end.
+#[test]
+fn conv1d_matches_reference() {
+    for (cin, cout, len, k, s, pad) in [
+        (8, 12, 101, 3, 2, 1),
+        (1, 16, 400, 10, 5, 0),
+        (20, 20, 37, 3, 1, 1),
+    ] {
+        let p = ConvParams::conv1d(cin, cout, k)
+            .with_stride([1, s])
+            .with_padding(Padding::Explicit {
+                top: 0,
+                bottom: 0,
+                left: pad,
+                right: pad,
+            });
+        let mut rng = Rng::new(3);
+        let weights = rng.vec(p.weights_len().unwrap());
+        let input = rng.vec(2 * cin * len);
+        let conv = convkit::Conv1d::new(p, &weights, None, Options::threads(1)).unwrap();
+        let plan = conv.plan(2, len).unwrap();
+        let mut out = vec![0.0; plan.output_len()];
+        plan.run(&input, &mut out, &mut Workspace::new()).unwrap();
+        let r = reference::conv(&p, 2, 1, len, &input, &weights, None, None).unwrap();
+        assert!(r.compare(&out).passed(), "{:?}", r.compare(&out));
+    }
+}
