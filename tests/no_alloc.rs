@@ -1,0 +1,70 @@
+//! `run` allocates nothing once the workspace is large enough: a counting global allocator
+//! watches every allocation of this test binary.
+
+use convkit::{Activation, Conv2d, ConvParams, Layout, Options, Padding, Workspace};
+use std::alloc::{GlobalAlloc, Layout as AllocLayout, System};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+struct Counting;
+static ALLOCATIONS: AtomicUsize = AtomicUsize::new(0);
+
+// SAFETY: forwards to the system allocator unchanged; only counts calls.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: AllocLayout) -> *mut u8 {
+        ALLOCATIONS.fetch_add(1, Ordering::SeqCst);
+        // SAFETY: same contract as the caller's.
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: AllocLayout) {
+        // SAFETY: same contract as the caller's.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: AllocLayout, new_size: usize) -> *mut u8 {
+        ALLOCATIONS.fetch_add(1, Ordering::SeqCst);
+        // SAFETY: same contract as the caller's.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+#[test]
+fn run_does_not_allocate() {
+    let layers = [
+        ConvParams::conv2d(16, 32, [3, 3])
+            .with_padding(Padding::Same)
+            .with_activation(Activation::Silu),
+        ConvParams::conv2d(32, 32, [3, 3])
+            .with_groups(32)
+            .with_stride([2, 2])
+            .with_padding(Padding::uniform(1)),
+        ConvParams::conv2d(32, 64, [1, 1])
+            .with_layout(Layout::Nhwc)
+            .with_activation(Activation::Relu),
+    ];
+    let mut ws = Workspace::new();
+    for params in layers {
+        let weights = vec![0.1; params.weights_len().unwrap()];
+        let bias = vec![0.2; params.out_channels];
+        let conv = Conv2d::new(params, &weights, Some(&bias), Options::threads(1)).unwrap();
+        let plan = conv.plan(2, 20, 20).unwrap();
+        let input = vec![1.0; plan.input_len()];
+        let residual = vec![0.5; plan.output_len()];
+        let mut output = vec![0.0; plan.output_len()];
+        ws.reserve(plan.workspace_bytes()).unwrap();
+        let before = ALLOCATIONS.load(Ordering::SeqCst);
+        plan.run(&input, &mut output, &mut ws).unwrap();
+        plan.run_with_residual(&input, &residual, &mut output, &mut ws)
+            .unwrap();
+        let after = ALLOCATIONS.load(Ordering::SeqCst);
+        assert_eq!(
+            after - before,
+            0,
+            "{} allocated {} times",
+            plan.kernel_name(),
+            after - before
+        );
+        assert!(output.iter().all(|v| v.is_finite()));
+    }
+}
