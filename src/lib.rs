@@ -38,6 +38,7 @@ pub mod gemm;
 mod params;
 mod plan;
 pub mod reference;
+pub mod suite;
 
 pub use algo::Algorithm;
 pub use buffer::Workspace;

@@ -186,7 +186,7 @@ fn slices_of_wrong_length_at_run() {
             got: 99
         }
     );
-    let e = plan.run(&input, &mut vec![0.0; 3], &mut ws).err().unwrap();
+    let e = plan.run(&input, &mut [0.0; 3], &mut ws).err().unwrap();
     assert_eq!(
         e,
         Error::WrongLength {

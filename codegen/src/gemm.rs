@@ -121,7 +121,7 @@ fn doc(spec: &GemmSpec) -> String {
 
 fn emit_simd(spec: &GemmSpec, v: &Simd) -> TokenStream {
     assert!(
-        spec.nr % v.lanes == 0,
+        spec.nr.is_multiple_of(v.lanes),
         "{}: nr must be a multiple of the vector width",
         spec.name()
     );

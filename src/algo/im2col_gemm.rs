@@ -111,35 +111,7 @@ impl Im2colGemm {
         };
         let blk = Blocking::new(self.kern, self.k, NC_MAX);
         let t = threads.max(1);
-        // The dimension that is packed per block (pixels) is split first, in cache blocks.
-        let (mut mchunks, mut nchunks) = match self.layout {
-            Layout::Nchw => (1, n.div_ceil(blk.nc)),
-            Layout::Nhwc => (m.div_ceil(4 * blk.mc), 1),
-        };
-        // Enough items for every worker, and a multiple of the workers when that is cheap.
-        let want = |items: usize| {
-            if items < 4 * t {
-                items.div_ceil(t) * t
-            } else {
-                items
-            }
-        };
-        match self.layout {
-            Layout::Nchw => {
-                nchunks = (want(outer * nchunks) / outer).clamp(nchunks, n.div_ceil(nr));
-                if outer * nchunks < t {
-                    mchunks = t.div_ceil(outer * nchunks).min(m.div_ceil(mr));
-                }
-            }
-            Layout::Nhwc => {
-                mchunks = (want(outer * mchunks) / outer).clamp(mchunks, m.div_ceil(mr));
-                if outer * mchunks < t {
-                    nchunks = t.div_ceil(outer * mchunks).min(n.div_ceil(nr));
-                }
-            }
-        }
-        let mchunk = m.div_ceil(mchunks).div_ceil(mr) * mr;
-        let nchunk = n.div_ceil(nchunks).div_ceil(nr) * nr;
+        let (mchunk, nchunk) = split(m, n, self.k, outer, t, (mr, nr), self.layout);
         let (mchunks, nchunks) = (m.div_ceil(mchunk), n.div_ceil(nchunk));
         let items = outer * mchunks * nchunks;
         let workers = t.min(items);
@@ -300,6 +272,41 @@ impl Im2colGemm {
             }
         }
     }
+}
+
+/// Packing one im2col element costs about as much as this many multiply-adds in the kernel.
+const PACK_COST: usize = 8;
+
+/// Chooses the chunk sizes (rows, columns) of the work items: the split whose busiest worker
+/// has the least to do, counting tile padding at the chunk edges and the im2col packing each
+/// item repeats. With one worker that is one item per image and group.
+fn split(
+    m: usize,
+    n: usize,
+    k: usize,
+    outer: usize,
+    t: usize,
+    (mr, nr): (usize, usize),
+    layout: Layout,
+) -> (usize, usize) {
+    let mut best = (usize::MAX, usize::MAX, m, n);
+    for mch in 1..=m.div_ceil(mr).min(8 * t) {
+        for nch in 1..=n.div_ceil(nr).min(8 * t) {
+            let mchunk = m.div_ceil(mch).div_ceil(mr) * mr;
+            let nchunk = n.div_ceil(nch).div_ceil(nr) * nr;
+            let items = outer * m.div_ceil(mchunk) * n.div_ceil(nchunk);
+            let packed = match layout {
+                Layout::Nchw => nchunk,
+                Layout::Nhwc => mchunk,
+            };
+            let item = mchunk * nchunk * k + PACK_COST * packed * k;
+            let cost = (items.div_ceil(t) * item, items);
+            if cost < (best.0, best.1) {
+                best = (cost.0, cost.1, mchunk, nchunk);
+            }
+        }
+    }
+    (best.2, best.3)
 }
 
 /// The output pointer, shared by the workers that write disjoint blocks of it.

@@ -1,0 +1,287 @@
+//! `convkit bench`: time every layer of the suite, after checking it once against the
+//! reference.
+
+use crate::args::{CliError, CliResult, Flags};
+use crate::layers::{self, im2col_bytes, Layer, Prepared};
+use crate::{peak, resolve_isa, setup_threads};
+use convkit::{Algorithm, Conv2d, Error, Options, Workspace};
+use std::time::{Duration, Instant};
+
+/// Warm-up calls before timing: first-touch of the workspace and output, caches.
+const WARMUP: usize = 2;
+/// Each repetition loops the call for at least this long, so the clock's resolution and
+/// the loop's overhead do not matter.
+const MIN_REP: Duration = Duration::from_millis(20);
+
+/// What happened to one layer.
+enum Outcome {
+    Ran(Measured),
+    /// The forced `--algorithm` does not take this layer.
+    Skipped(String),
+    Error(String),
+}
+
+struct Measured {
+    kernel: String,
+    median_s: f64,
+    gflops: f64,
+    workspace: usize,
+    max_abs: f64,
+    passed: bool,
+}
+
+pub fn main(args: &[String]) -> CliResult<bool> {
+    let flags = Flags::parse(
+        args,
+        &[
+            "layers",
+            "threads",
+            "isa",
+            "algorithm",
+            "reps",
+            "only",
+            "peak",
+        ],
+        &["csv"],
+    )?;
+    let layers = layers::load(flags.get("layers"), flags.get("only"))?;
+    let reps: usize = flags.parsed("reps")?.unwrap_or(7);
+    if reps == 0 {
+        return Err(CliError::Usage("--reps must be at least 1".into()));
+    }
+    let algorithm: Option<Algorithm> = flags.parsed("algorithm")?;
+    let csv = flags.has("csv");
+    let requested_peak: Option<f64> = flags.parsed("peak")?;
+    if requested_peak.is_some_and(|p| !(p > 0.0 && p.is_finite())) {
+        return Err(CliError::Usage(
+            "--peak must be a positive number of GFLOP/s".into(),
+        ));
+    }
+    let (threads, workers) = setup_threads(flags.parsed("threads")?)?;
+    let isa = resolve_isa(flags.parsed("isa")?)?;
+    let options = Options {
+        threads,
+        isa: Some(isa),
+        algorithm,
+    };
+
+    // Notes go to stdout with the table, or to stderr when stdout is CSV.
+    let note = |s: String| {
+        if csv {
+            eprintln!("{s}")
+        } else {
+            println!("{s}")
+        }
+    };
+    let (per_core, how) = match requested_peak {
+        Some(p) => (p, "--peak"),
+        None => peak::measure(),
+    };
+    let peak = per_core * workers as f64;
+    note(format!(
+        "isa {isa}, {workers} thread(s); peak {per_core:.1} GFLOP/s per core ({how}) x {workers} = {peak:.1} GFLOP/s"
+    ));
+
+    let mut rows = Vec::new();
+    for (i, layer) in layers.iter().enumerate() {
+        eprintln!("[{}/{}] {} ...", i + 1, layers.len(), layer.name);
+        let outcome = match bench_layer(layer, options, reps) {
+            Ok(m) => Outcome::Ran(m),
+            Err(e @ Error::AlgorithmUnsupported { .. }) => Outcome::Skipped(e.to_string()),
+            Err(e) => Outcome::Error(e.to_string()),
+        };
+        match &outcome {
+            Outcome::Skipped(why) => eprintln!("  skipped: {why}"),
+            Outcome::Error(why) => eprintln!("  error: {why}"),
+            Outcome::Ran(m) if !m.passed => {
+                eprintln!("  MISMATCH: max abs error {:.3e}", m.max_abs)
+            }
+            Outcome::Ran(_) => {}
+        }
+        rows.push((layer, outcome));
+    }
+
+    print_table(&rows, peak, csv);
+    summary(&layers, &rows, note);
+    Ok(rows.iter().all(|(_, o)| {
+        matches!(
+            o,
+            Outcome::Skipped(_) | Outcome::Ran(Measured { passed: true, .. })
+        )
+    }))
+}
+
+/// Create, plan, check once against the reference, then time.
+fn bench_layer(layer: &Layer, options: Options, reps: usize) -> convkit::Result<Measured> {
+    let p = Prepared::new(layer)?;
+    let conv = Conv2d::new(p.params, &p.weights, Some(&p.bias), options)?;
+    let g = &p.geometry;
+    let plan = conv.plan(g.batch, g.h, g.w)?;
+    let mut output = layers::zeros(plan.output_len(), "output")?;
+    let mut ws = Workspace::with_bytes(plan.workspace_bytes())?;
+
+    plan.run(&p.input, &mut output, &mut ws)?;
+    let cmp = p.reference()?.compare(&output);
+
+    for _ in 0..WARMUP {
+        plan.run(&p.input, &mut output, &mut ws)?;
+    }
+    let mut per_call = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        let (start, mut calls) = (Instant::now(), 0u32);
+        while start.elapsed() < MIN_REP {
+            plan.run(&p.input, &mut output, &mut ws)?;
+            calls += 1;
+        }
+        per_call.push(start.elapsed().as_secs_f64() / calls as f64);
+    }
+    let median_s = median(&mut per_call);
+    Ok(Measured {
+        kernel: plan.kernel_name(),
+        median_s,
+        gflops: plan.flops() / median_s / 1e9,
+        workspace: plan.workspace_bytes(),
+        max_abs: cmp.max_abs,
+        passed: cmp.passed(),
+    })
+}
+
+fn median(xs: &mut [f64]) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    let n = xs.len();
+    if n % 2 == 1 {
+        xs[n / 2]
+    } else {
+        (xs[n / 2 - 1] + xs[n / 2]) / 2.0
+    }
+}
+
+fn print_table(rows: &[(&Layer, Outcome)], peak: f64, csv: bool) {
+    let header = [
+        "layer",
+        "kernel",
+        "median_ms",
+        "GFLOP/s",
+        "%peak",
+        "workspace_B",
+        "max_abs_err",
+        "ok",
+    ];
+    let cells: Vec<[String; 8]> = rows
+        .iter()
+        .map(|(layer, o)| {
+            let name = layer.name.clone();
+            let dash = || "-".to_string();
+            match o {
+                Outcome::Ran(m) => [
+                    name,
+                    m.kernel.clone(),
+                    format!("{:.4}", m.median_s * 1e3),
+                    format!("{:.2}", m.gflops),
+                    format!("{:.1}", 100.0 * m.gflops / peak),
+                    m.workspace.to_string(),
+                    format!("{:.2e}", m.max_abs),
+                    if m.passed { "ok" } else { "FAIL" }.to_string(),
+                ],
+                Outcome::Skipped(_) => [
+                    name,
+                    dash(),
+                    dash(),
+                    dash(),
+                    dash(),
+                    dash(),
+                    dash(),
+                    "skip".into(),
+                ],
+                Outcome::Error(_) => [
+                    name,
+                    dash(),
+                    dash(),
+                    dash(),
+                    dash(),
+                    dash(),
+                    dash(),
+                    "ERROR".into(),
+                ],
+            }
+        })
+        .collect();
+    if csv {
+        println!("layer,kernel,median_ms,gflops,pct_peak,workspace_bytes,max_abs_err,ok");
+        for row in &cells {
+            println!("{}", row.join(","));
+        }
+        return;
+    }
+    let mut widths = header.map(str::len);
+    for row in &cells {
+        for (w, c) in widths.iter_mut().zip(row) {
+            *w = (*w).max(c.len());
+        }
+    }
+    // Text columns left-aligned, numbers right-aligned.
+    let line = |row: &[String]| {
+        let parts: Vec<String> = row
+            .iter()
+            .zip(widths)
+            .enumerate()
+            .map(|(i, (c, w))| {
+                if i < 2 {
+                    format!("{c:<w$}")
+                } else {
+                    format!("{c:>w$}")
+                }
+            })
+            .collect();
+        println!("{}", parts.join("  ").trim_end());
+    };
+    line(&header.map(String::from));
+    for row in &cells {
+        line(row);
+    }
+}
+
+fn summary(layers: &[Layer], rows: &[(&Layer, Outcome)], note: impl Fn(String)) {
+    let ran: Vec<(&Layer, &Measured)> = rows
+        .iter()
+        .filter_map(|(l, o)| match o {
+            Outcome::Ran(m) => Some((*l, m)),
+            _ => None,
+        })
+        .collect();
+    if let Some((l, m)) = ran.iter().max_by_key(|(_, m)| m.workspace) {
+        let im2col = layers
+            .iter()
+            .filter_map(|l| l.geometry().ok().map(|g| (im2col_bytes(&g), l)))
+            .max_by_key(|(b, _)| *b);
+        let im2col = match im2col {
+            Some((b, il)) => format!("; a whole im2col matrix would take {b} bytes ({})", il.name),
+            None => String::new(),
+        };
+        note(format!(
+            "largest workspace: {} bytes ({}){im2col}",
+            m.workspace, l.name
+        ));
+    }
+    if !ran.is_empty() {
+        let mean_log = ran.iter().map(|(_, m)| m.gflops.ln()).sum::<f64>() / ran.len() as f64;
+        note(format!(
+            "geometric mean: {:.2} GFLOP/s over {} layer(s)",
+            mean_log.exp(),
+            ran.len()
+        ));
+    }
+    let failed: Vec<&str> = rows
+        .iter()
+        .filter(|(_, o)| {
+            matches!(
+                o,
+                Outcome::Error(_) | Outcome::Ran(Measured { passed: false, .. })
+            )
+        })
+        .map(|(l, _)| l.name.as_str())
+        .collect();
+    if !failed.is_empty() {
+        note(format!("FAILED: {}", failed.join(", ")));
+    }
+}

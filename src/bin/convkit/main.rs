@@ -1,0 +1,141 @@
+//! `convkit`: information, benchmarks, correctness checks and one-off convolutions on .npy
+//! files. Exit codes: 0 success, 1 failure (bad input, failed check), 2 bad arguments.
+
+mod args;
+mod bench;
+mod check;
+mod layers;
+mod peak;
+mod run;
+
+use args::{CliError, CliResult, Flags};
+use convkit::{Algorithm, Isa};
+use std::process::ExitCode;
+
+const USAGE: &str = "\
+convkit: specialised CPU convolution kernels
+
+Usage:
+  convkit info
+      CPU, ISA levels, threads, kernels and algorithms.
+  convkit bench [--layers FILE] [--only NAME,...] [--threads N] [--isa LEVEL]
+                [--algorithm NAME] [--reps N] [--peak GFLOPS] [--csv]
+      Check each layer once against the reference, then time it (median of --reps,
+      default 7, repetitions of >= 20 ms each).
+  convkit check [--layers FILE] [--only NAME,...] [--threads N]
+      Every layer with every algorithm at every ISA level of this CPU, against the reference.
+  convkit run --layer N,C_IN,H,W,C_OUT,KH,KW,SH,SW,PH,PW,DH,DW,GROUPS
+              --input X.npy --weight W.npy [--bias B.npy] --output Y.npy
+              [--threads N] [--isa LEVEL]
+      One NCHW float32 convolution: input [n,c_in,h,w], weights [c_out,c_in/groups,kh,kw],
+      bias [c_out] (height axes may be left out when h == 1 / kh == 1); writes
+      [n,c_out,out_h,out_w].
+  convkit help
+
+Options:
+  --layers FILE     suite CSV (header name,n,c_in,h,w,c_out,kh,kw,stride_h,stride_w,pad_h,pad_w,
+                    dil_h,dil_w,groups; '#' comments); default: the built-in bench/layers.csv
+  --only A,B        only these layers of the suite
+  --threads N       worker threads (default 1; 0 = one per core)
+  --isa LEVEL       scalar, avx2, avx512 or neon (default: the best, or CONVKIT_ISA)
+  --algorithm NAME  force an algorithm (see `convkit info`)
+  --peak GFLOPS     per-core peak for the %peak column (default: measured at start-up)
+  --csv             CSV instead of a table on stdout
+
+Exit status: 0 ok, 1 failure (bad input or a failed check), 2 bad arguments.";
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.iter().any(|a| a == "-h" || a == "--help") {
+        println!("{USAGE}");
+        return ExitCode::SUCCESS;
+    }
+    let Some((command, rest)) = args.split_first() else {
+        println!("{USAGE}");
+        return ExitCode::from(2);
+    };
+    let result = match command.as_str() {
+        "info" => info(rest),
+        "bench" => bench::main(rest),
+        "check" => check::main(rest),
+        "run" => run::main(rest),
+        "help" => {
+            println!("{USAGE}");
+            Ok(true)
+        }
+        other => Err(CliError::Usage(format!("unknown command {other:?}"))),
+    };
+    match result {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::FAILURE,
+        Err(CliError::Usage(msg)) => {
+            eprintln!("error: {msg}\n\n{USAGE}");
+            ExitCode::from(2)
+        }
+        Err(CliError::Failed(msg)) => {
+            eprintln!("error: {msg}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Builds the global rayon pool: `None` means 1 thread, `Some(0)` one per core. Returns the
+/// `Options::threads` to pass and the number of workers that will run.
+fn setup_threads(requested: Option<usize>) -> CliResult<(usize, usize)> {
+    let threads = requested.unwrap_or(1);
+    let mut builder = rayon::ThreadPoolBuilder::new();
+    if threads > 0 {
+        builder = builder.num_threads(threads);
+    }
+    builder
+        .build_global()
+        .map_err(|e| CliError::Failed(format!("cannot start {threads} thread(s): {e}")))?;
+    Ok((threads, rayon::current_num_threads()))
+}
+
+/// `--isa` if given and available, else the default level (which honours CONVKIT_ISA).
+fn resolve_isa(requested: Option<Isa>) -> CliResult<Isa> {
+    Ok(match requested {
+        Some(isa) => Isa::check(isa)?,
+        None => Isa::default_level()?,
+    })
+}
+
+fn info(args: &[String]) -> CliResult<bool> {
+    Flags::parse(args, &[], &[])?;
+    let model = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split_once(':'))
+                .map(|(_, v)| v.trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown".into());
+    let available: Vec<&str> = Isa::available().iter().map(|i| i.name()).collect();
+    let default = match Isa::default_level() {
+        Ok(isa) => isa.name().to_string(),
+        Err(e) => format!("none: {e}"),
+    };
+    println!("cpu:          {model}");
+    println!("isa levels:   {}", available.join(", "));
+    println!("default isa:  {default}");
+    println!("threads:      {} (rayon)", rayon::current_num_threads());
+    println!(
+        "algorithms:   {}",
+        Algorithm::ALL.map(|a| a.name()).join(", ")
+    );
+    println!("kernels:");
+    for isa in Isa::ALL {
+        let names = convkit::cpu::kernel_names(isa);
+        let note = if Isa::available().contains(&isa) {
+            ""
+        } else {
+            " (not on this CPU)"
+        };
+        if !names.is_empty() {
+            println!("  {:<7} {}{note}", isa.name(), names.join(", "));
+        }
+    }
+    Ok(true)
+}
