@@ -43,14 +43,18 @@ fn invalid(detail: String) -> Error {
 /// Parses the 14 numbers `n,c_in,h,w,c_out,kh,kw,stride_h,stride_w,pad_h,pad_w,dil_h,dil_w,groups`
 /// (the form `convkit run --layer` takes) into a layer called `name`.
 pub fn parse_numbers(name: &str, fields: &[&str]) -> Result<Layer> {
+    numbers(name, fields).map_err(invalid)
+}
+
+fn numbers(name: &str, fields: &[&str]) -> std::result::Result<Layer, String> {
     let names = &COLUMNS[1..];
     if fields.len() != names.len() {
-        return Err(invalid(format!(
+        return Err(format!(
             "expected {} numbers ({}), got {}",
             names.len(),
             names.join(","),
             fields.len()
-        )));
+        ));
     }
     let mut v = [0usize; 14];
     for ((slot, field), col) in v.iter_mut().zip(fields).zip(names) {
