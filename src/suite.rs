@@ -58,12 +58,10 @@ fn numbers(name: &str, fields: &[&str]) -> std::result::Result<Layer, String> {
     }
     let mut v = [0usize; 14];
     for ((slot, field), col) in v.iter_mut().zip(fields).zip(names) {
-        *slot = field.trim().parse().map_err(|_| {
-            invalid(format!(
-                "{col}: {:?} is not a non-negative integer",
-                field.trim()
-            ))
-        })?;
+        let field = field.trim();
+        *slot = field
+            .parse()
+            .map_err(|_| format!("{col}: {field:?} is not a non-negative integer"))?;
     }
     let [n, c_in, h, w, c_out, kh, kw, sh, sw, ph, pw, dh, dw, groups] = v;
     let params = ConvParams::conv2d(c_in, c_out, [kh, kw])
