@@ -106,8 +106,8 @@ pub fn parse(text: &str, source: &str) -> Result<Vec<Layer>> {
                 "{source}:{lineno}: layer {name} appears twice"
             )));
         }
-        let layer = parse_numbers(name, &fields[1..])
-            .map_err(|e| invalid(format!("{source}:{lineno}: {e}")))?;
+        let layer =
+            numbers(name, &fields[1..]).map_err(|e| invalid(format!("{source}:{lineno}: {e}")))?;
         layers.push(layer);
     }
     if layers.is_empty() {
