@@ -109,7 +109,12 @@ impl Im2colGemm {
             Layout::Nchw => (g.cout_g(), pixels, g.batch * g.groups),
             Layout::Nhwc => (g.batch * pixels, g.cout_g(), g.groups),
         };
-        let blk = Blocking::new(self.kern, self.k, NC_MAX);
+        // NCHW K-blocks hold whole input channels, so stride-1 layers can share shifted copies.
+        let align = match self.layout {
+            Layout::Nchw if g.sh == 1 => g.kh * g.kw,
+            _ => 1,
+        };
+        let blk = Blocking::new(self.kern, self.k, NC_MAX, align);
         let t = threads.max(1);
         let (mchunk, nchunk) = split(m, n, self.k, outer, t, (mr, nr), self.layout);
         let (mchunks, nchunks) = (m.div_ceil(mchunk), n.div_ceil(nchunk));
@@ -120,7 +125,7 @@ impl Im2colGemm {
             ..blk
         };
         let scratch_per_worker = match self.layout {
-            Layout::Nchw => blk.b_scratch(),
+            Layout::Nchw => Im2colNchw::scratch(g, blk.kc, blk.nc, nr),
             Layout::Nhwc => blk.a_scratch(),
         };
         GemmPlan {
@@ -150,20 +155,22 @@ impl Im2colGemm {
         activation: Activation,
         scratch: &mut [f32],
     ) {
-        let out = SendPtr(output.as_mut_ptr());
+        let job = Job {
+            plan,
+            g,
+            input,
+            residual,
+            out: SendPtr(output.as_mut_ptr()),
+            bias,
+            activation,
+        };
         let items = plan.outer * plan.mchunks * plan.nchunks;
         let work = |w: usize, scratch: &mut [f32]| {
             for item in w * items / plan.workers..(w + 1) * items / plan.workers {
-                let outer = item / (plan.mchunks * plan.nchunks);
-                let mi = item / plan.nchunks % plan.mchunks;
-                let ni = item % plan.nchunks;
                 // SAFETY: items write disjoint blocks of the output (distinct image/group,
-                // rows or columns), which `output` covers: its length was checked.
-                unsafe {
-                    self.run_item(
-                        plan, g, input, residual, out, bias, activation, scratch, outer, mi, ni,
-                    )
-                };
+                // rows or columns), which `output` covers: its length was checked. The
+                // kernel's ISA was checked when the weights were packed.
+                unsafe { self.run_item_isa(&job, scratch, item) };
             }
         };
         let scratch = &mut scratch[..plan.workspace_floats()];
@@ -178,26 +185,50 @@ impl Im2colGemm {
         }
     }
 
-    /// One item: rows `mi`, columns `ni` of image/group `outer`.
+    /// Runs one item with the driver and packers compiled for the kernel's ISA, so their
+    /// copies use its vector width too.
     ///
     /// # Safety
-    /// `out` must point to the whole output tensor, and no other thread may write this item's
-    /// block during the call.
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn run_item(
-        &self,
-        plan: &GemmPlan,
-        g: &Geometry,
-        input: &[f32],
-        residual: Option<&[f32]>,
-        out: SendPtr,
-        bias: Option<&[f32]>,
-        activation: Activation,
-        scratch: &mut [f32],
-        outer: usize,
-        mi: usize,
-        ni: usize,
-    ) {
+    /// As [`Im2colGemm::run_item`], and the CPU must have the kernel's ISA.
+    unsafe fn run_item_isa(&self, job: &Job, scratch: &mut [f32], item: usize) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma")]
+            unsafe fn avx512(a: &Im2colGemm, job: &Job, scratch: &mut [f32], item: usize) {
+                a.run_item(job, scratch, item)
+            }
+            #[target_feature(enable = "avx2,fma")]
+            unsafe fn avx2(a: &Im2colGemm, job: &Job, scratch: &mut [f32], item: usize) {
+                a.run_item(job, scratch, item)
+            }
+            match self.kern.isa {
+                Isa::Avx512 => return avx512(self, job, scratch, item),
+                Isa::Avx2 => return avx2(self, job, scratch, item),
+                _ => {}
+            }
+        }
+        self.run_item(job, scratch, item)
+    }
+
+    /// One item: a block of rows and columns of one image/group.
+    ///
+    /// # Safety
+    /// `job.out` must point to the whole output tensor, and no other thread may write this
+    /// item's block during the call.
+    #[inline(always)]
+    unsafe fn run_item(&self, job: &Job, scratch: &mut [f32], item: usize) {
+        let Job {
+            plan,
+            g,
+            input,
+            residual,
+            out,
+            bias,
+            activation,
+        } = *job;
+        let outer = item / (plan.mchunks * plan.nchunks);
+        let mi = item / plan.nchunks % plan.mchunks;
+        let ni = item % plan.nchunks;
         let (m0, n0) = (mi * plan.mchunk, ni * plan.nchunk);
         let (mlen, nlen) = (plan.mchunk.min(plan.m - m0), plan.nchunk.min(plan.n - n0));
         let (kern, k) = (self.kern, self.k);
@@ -309,6 +340,18 @@ fn split(
     (best.2, best.3)
 }
 
+/// Everything one run shares between its items.
+#[derive(Clone, Copy)]
+struct Job<'a> {
+    plan: &'a GemmPlan,
+    g: &'a Geometry,
+    input: &'a [f32],
+    residual: Option<&'a [f32]>,
+    out: SendPtr,
+    bias: Option<&'a [f32]>,
+    activation: Activation,
+}
+
 /// The output pointer, shared by the workers that write disjoint blocks of it.
 #[derive(Clone, Copy)]
 struct SendPtr(*mut f32);
@@ -317,21 +360,54 @@ unsafe impl Send for SendPtr {}
 // SAFETY: as above.
 unsafe impl Sync for SendPtr {}
 
-/// Copies `src` into `dst` (same length); short fixed lengths become straight vector moves
-/// instead of a `memcpy` call, which matters at 16 floats a call.
+/// Copies `src` into `dst` (same length). Runs are short (one micro-panel row), where a
+/// `memcpy` call costs more than the copy: fixed-size copies become straight vector moves, and
+/// a length between two sizes is two overlapping fixed copies.
 #[inline(always)]
 fn copy_run(dst: &mut [f32], src: &[f32]) {
+    fn fixed<const N: usize>(dst: &mut [f32], src: &[f32]) {
+        let n = dst.len();
+        dst[..N].copy_from_slice(&src[..N]);
+        dst[n - N..].copy_from_slice(&src[n - N..n]);
+    }
     match dst.len() {
-        16 => dst[..16].copy_from_slice(&src[..16]),
-        8 => dst[..8].copy_from_slice(&src[..8]),
-        32 => dst[..32].copy_from_slice(&src[..32]),
-        12 => dst[..12].copy_from_slice(&src[..12]),
+        0 => {}
+        n @ 1..4 => dst.copy_from_slice(&src[..n]),
+        4..8 => fixed::<4>(dst, src),
+        8..16 => fixed::<8>(dst, src),
+        16..32 => fixed::<16>(dst, src),
+        32..=64 => fixed::<32>(dst, src),
         _ => dst.copy_from_slice(src),
+    }
+}
+
+/// Zeroes a short run, without a `memset` call (see [`copy_run`]).
+#[inline(always)]
+fn zero_run(dst: &mut [f32]) {
+    fn fixed<const N: usize>(dst: &mut [f32]) {
+        let n = dst.len();
+        dst[..N].copy_from_slice(&[0.0; N]);
+        dst[n - N..].copy_from_slice(&[0.0; N]);
+    }
+    match dst.len() {
+        0 => {}
+        1..4 => dst.iter_mut().for_each(|d| *d = 0.0),
+        4..8 => fixed::<4>(dst),
+        8..16 => fixed::<8>(dst),
+        16..32 => fixed::<16>(dst),
+        32..=64 => fixed::<32>(dst),
+        _ => dst.fill(0.0),
     }
 }
 
 /// The NCHW im2col matrix of one image and group as the B operand: row k = (ci, ky, kx),
 /// column = output pixel `col0 + j`.
+///
+/// With vertical stride 1, row (ci, ky, kx) is row (ci, 0, kx) shifted by `ky·dh` output rows.
+/// So a K-block (whole input channels) is packed in two steps: one shifted copy of the input
+/// per (ci, kx), with all the padding logic, then every micro-panel row is a plain fixed-size
+/// copy out of it: `kh` times less work per element than im2col. A 1x1 stride-1 convolution
+/// copies input rows straight into the panels. Other strides fill the panels directly.
 struct Im2colNchw<'a> {
     /// The group's input channels of one image.
     input: &'a [f32],
@@ -339,47 +415,71 @@ struct Im2colNchw<'a> {
     col0: usize,
 }
 
+/// Floats between two shifted copies: the pixels of the block plus `(kh-1)·dh` more output
+/// rows, rounded to whole cache lines.
+fn copy_len(g: &Geometry, padded: usize) -> usize {
+    (padded + (g.kh - 1) * g.dh * g.ow).div_ceil(16) * 16
+}
+
 impl Im2colNchw<'_> {
-    /// One row of a micro-panel: pixels `p..p+row.len()` of tap (ci, ky, kx).
+    /// True when K-blocks of `kc` rows from `k0` can use shifted copies (see the type's doc).
+    fn shifted(g: &Geometry, k0: usize, kc: usize) -> bool {
+        let taps = g.kh * g.kw;
+        g.sh == 1 && g.kh > 1 && k0.is_multiple_of(taps) && kc.is_multiple_of(taps)
+    }
+
+    /// Floats of scratch for a B block of `kc x nc` with micro-panels of `nr`.
+    fn scratch(g: &Geometry, kc: usize, nc: usize, nr: usize) -> usize {
+        let padded = nc.div_ceil(nr) * nr;
+        let copies = if Self::shifted(g, 0, kc) {
+            kc / (g.kh * g.kw) * g.kw * copy_len(g, padded)
+        } else {
+            0
+        };
+        kc * padded + copies
+    }
+
+    /// `dst[t]` = row (ci, ky, kx) of the im2col matrix at output pixel `q0 + t`, for every t.
+    /// Pixels past the last output row read below the image, which is zero padding.
     #[inline(always)]
-    fn fill(&self, row: &mut [f32], ci: usize, ky: usize, kx: usize, p: usize) {
+    fn fill(&self, dst: &mut [f32], ci: usize, ky: usize, kx: usize, q0: usize) {
         let g = self.g;
         let plane = &self.input[ci * g.h * g.w..][..g.h * g.w];
-        let (mut oy, mut ox) = (p / g.ow, p % g.ow);
+        let (h, w, sw) = (g.h as isize, g.w as isize, g.sw as isize);
+        let (mut oy, mut ox) = (q0 / g.ow, q0 % g.ow);
         let mut j = 0;
-        while j < row.len() {
-            let seg = (row.len() - j).min(g.ow - ox);
-            let dst = &mut row[j..j + seg];
+        while j < dst.len() {
+            let len = (dst.len() - j).min(g.ow - ox);
+            let run = &mut dst[j..j + len];
             let iy = (oy * g.sh + ky * g.dh) as isize - g.pad_top as isize;
-            if iy < 0 || iy >= g.h as isize {
-                dst.fill(0.0);
+            let ix0 = (ox * g.sw + kx * g.dw) as isize - g.pad_left as isize;
+            // Pixels lo..hi of the run read inside the image row; the rest is padding.
+            let lo = if ix0 >= 0 {
+                0
+            } else {
+                ((-ix0 + sw - 1) / sw).min(len as isize) as usize
+            };
+            let hi = if ix0 >= w {
+                lo
+            } else {
+                ((w - ix0 + sw - 1) / sw).clamp(lo as isize, len as isize) as usize
+            };
+            if iy < 0 || iy >= h || hi == lo {
+                zero_run(run);
             } else {
                 let src = &plane[iy as usize * g.w..][..g.w];
-                let ix0 = (ox * g.sw + kx * g.dw) as isize - g.pad_left as isize;
+                let first = (ix0 + lo as isize * sw) as usize;
                 if g.sw == 1 {
-                    // Valid input columns are ix0+lo .. ix0+hi; zeros outside.
-                    let lo = (-ix0).clamp(0, seg as isize) as usize;
-                    let hi = (g.w as isize - ix0).clamp(lo as isize, seg as isize) as usize;
-                    dst[..lo].fill(0.0);
-                    if hi > lo {
-                        copy_run(
-                            &mut dst[lo..hi],
-                            &src[(ix0 + lo as isize) as usize..][..hi - lo],
-                        );
-                    }
-                    dst[hi..].fill(0.0);
+                    copy_run(&mut run[lo..hi], &src[first..first + hi - lo]);
                 } else {
-                    for (t, d) in dst.iter_mut().enumerate() {
-                        let ix = ix0 + (t * g.sw) as isize;
-                        *d = if ix >= 0 && ix < g.w as isize {
-                            src[ix as usize]
-                        } else {
-                            0.0
-                        };
+                    for (d, s) in run[lo..hi].iter_mut().zip(src[first..].chunks(g.sw)) {
+                        *d = s[0];
                     }
                 }
+                zero_run(&mut run[..lo]);
+                zero_run(&mut run[hi..]);
             }
-            j += seg;
+            j += len;
             oy += 1;
             ox = 0;
         }
@@ -388,6 +488,7 @@ impl Im2colNchw<'_> {
 
 impl Panels for Im2colNchw<'_> {
     const PREPACKED: bool = false;
+    #[inline(always)]
     fn panels(
         &self,
         start: usize,
@@ -398,38 +499,55 @@ impl Panels for Im2colNchw<'_> {
         dst: &mut [f32],
     ) -> (*const f32, usize) {
         let g = self.g;
-        let pointwise =
-            g.kh == 1 && g.kw == 1 && g.sh == 1 && g.sw == 1 && (g.oh, g.ow) == (g.h, g.w);
-        let plane = g.h * g.w;
-        for q in 0..len.div_ceil(r) {
-            let p = self.col0 + start + q * r;
-            let cnt = r.min(len - q * r);
-            let panel = &mut dst[q * kc * r..(q + 1) * kc * r];
-            if pointwise {
-                // 1x1, stride 1, no padding: the rows of B are the input channels themselves.
-                for (kk, row) in panel.chunks_exact_mut(r).enumerate() {
-                    copy_run(&mut row[..cnt], &self.input[(k0 + kk) * plane + p..][..cnt]);
-                    row[cnt..].fill(0.0);
+        let (taps, plane) = (g.kh * g.kw, g.h * g.w);
+        let p0 = self.col0 + start;
+        let padded = len.div_ceil(r) * r;
+        let (panels, copies) = dst.split_at_mut(kc * padded);
+        let pointwise = taps == 1 && g.sw == 1 && (g.oh, g.ow) == (g.h, g.w);
+        if Self::shifted(g, k0, kc) {
+            let (ci0, nci, lc) = (k0 / taps, kc / taps, copy_len(g, padded));
+            for i in 0..nci {
+                for kx in 0..g.kw {
+                    self.fill(
+                        &mut copies[(i * g.kw + kx) * lc..][..lc],
+                        ci0 + i,
+                        0,
+                        kx,
+                        p0,
+                    );
                 }
-                continue;
             }
-            let taps = g.kh * g.kw;
-            let (mut ci, mut ky, mut kx) = (k0 / taps, k0 % taps / g.kw, k0 % g.kw);
-            for row in panel.chunks_exact_mut(r) {
-                self.fill(&mut row[..cnt], ci, ky, kx, p);
-                row[cnt..].fill(0.0);
-                kx += 1;
-                if kx == g.kw {
-                    kx = 0;
-                    ky += 1;
-                    if ky == g.kh {
-                        ky = 0;
-                        ci += 1;
+            for (q, panel) in panels.chunks_exact_mut(kc * r).enumerate() {
+                let mut rows = panel.chunks_exact_mut(r);
+                for i in 0..nci {
+                    for ky in 0..g.kh {
+                        for kx in 0..g.kw {
+                            let src =
+                                &copies[(i * g.kw + kx) * lc + q * r + ky * g.dh * g.ow..][..r];
+                            copy_run(rows.next().unwrap_or_default(), src);
+                        }
                     }
                 }
             }
+        } else {
+            for (q, panel) in panels.chunks_exact_mut(kc * r).enumerate() {
+                let cnt = r.min(len - q * r);
+                for (kk, row) in panel.chunks_exact_mut(r).enumerate() {
+                    let (ci, tap) = ((k0 + kk) / taps, (k0 + kk) % taps);
+                    if pointwise {
+                        // 1x1, stride 1, no padding: the rows of B are the input channels.
+                        copy_run(
+                            &mut row[..cnt],
+                            &self.input[ci * plane + p0 + q * r..][..cnt],
+                        );
+                    } else {
+                        self.fill(&mut row[..cnt], ci, tap / g.kw, tap % g.kw, p0 + q * r);
+                    }
+                    zero_run(&mut row[cnt..]);
+                }
+            }
         }
-        (dst.as_ptr(), kc * r)
+        (panels.as_ptr(), kc * r)
     }
 }
 
@@ -444,6 +562,7 @@ struct Im2colNhwc<'a> {
 
 impl Panels for Im2colNhwc<'_> {
     const PREPACKED: bool = false;
+    #[inline(always)]
     fn panels(
         &self,
         start: usize,

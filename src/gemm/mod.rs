@@ -88,20 +88,27 @@ pub(crate) struct Blocking {
     pub nc: usize,
 }
 
-/// Largest K-block: a `kc x nr` B micro-panel (16 KiB for AVX2's 6x16) stays in L1 while the
-/// A micro-panels stream past it.
-const KC_MAX: usize = 256;
+/// Bytes of L1 a `kc x nr` B micro-panel may fill: it stays there while the A micro-panels
+/// stream past it, so it gets half of a 32 KiB L1 (K-blocks of 256 for AVX2's 6x16, 128 for
+/// AVX-512's 32 columns).
+const L1_PANEL_BYTES: usize = 16 * 1024;
 /// A block `mc x kc` stays in L2 (512 KiB on Zen3, 1–2 MiB on recent Intel).
 const MC_TARGET: usize = 144;
 /// B block `kc x nc` lives in L2/L3 and bounds the workspace: 256 x 512 floats = 512 KiB.
 pub(crate) const NC_MAX: usize = 512;
 
 impl Blocking {
-    /// Blocks for a GEMM of depth `k`: K split into equal blocks of at most `KC_MAX`, so no
-    /// block is a short remainder.
-    pub(crate) fn new(kern: &GemmKernel, k: usize, nc: usize) -> Blocking {
-        let kblocks = k.div_ceil(KC_MAX).max(1);
-        let kc = k.div_ceil(kblocks);
+    /// Blocks for a GEMM of depth `k`: K split into equal blocks that fit L1, so no block is a
+    /// short remainder, and each a multiple of `align` where that fits (im2col blocks that
+    /// hold whole input channels).
+    pub(crate) fn new(kern: &GemmKernel, k: usize, nc: usize, align: usize) -> Blocking {
+        let kc_max = (L1_PANEL_BYTES / (4 * kern.nr)).clamp(64, 384);
+        let kc = if align > 1 && align <= kc_max && k.is_multiple_of(align) {
+            let units = k / align;
+            units.div_ceil(units.div_ceil(kc_max / align)) * align
+        } else {
+            k.div_ceil(k.div_ceil(kc_max).max(1))
+        };
         let mc = (MC_TARGET / kern.mr).max(1) * kern.mr;
         Blocking {
             mc,
@@ -159,6 +166,7 @@ pub(crate) struct Output<'a> {
 /// `out.rs_c` apart, and not be written by anyone else during the call; `out.bias` must hold
 /// `m` (by row) or `n` (by column) values. The kernel's ISA must be available.
 #[allow(clippy::too_many_arguments)]
+#[inline(always)]
 pub(crate) unsafe fn gemm<A: Panels, B: Panels>(
     kern: &GemmKernel,
     blk: &Blocking,
@@ -325,7 +333,7 @@ pub fn sgemm_with(
         return Err(Error::Overflow { what: "ldc" });
     }
     let kern = crate::cpu::gemm_f32(isa);
-    let blk = Blocking::new(kern, k, NC_MAX);
+    let blk = Blocking::new(kern, k, NC_MAX, 1);
     let scratch = ws.floats(blk.a_scratch() + blk.b_scratch())?;
     let (a_buf, b_buf) = scratch.split_at_mut(blk.a_scratch());
     let out = Output {

@@ -11,6 +11,7 @@ pub(crate) struct Prepacked<'a> {
 
 impl Panels for Prepacked<'_> {
     const PREPACKED: bool = true;
+    #[inline(always)]
     fn panels(
         &self,
         start: usize,
@@ -58,6 +59,7 @@ pub(crate) struct RowMajorA<'a> {
 
 impl Panels for RowMajorA<'_> {
     const PREPACKED: bool = false;
+    #[inline(always)]
     fn panels(
         &self,
         start: usize,
@@ -93,6 +95,7 @@ pub(crate) struct RowMajorB<'a> {
 
 impl Panels for RowMajorB<'_> {
     const PREPACKED: bool = false;
+    #[inline(always)]
     fn panels(
         &self,
         start: usize,
