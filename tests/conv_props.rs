@@ -239,3 +239,10 @@ fn conv1d_matches_reference() {
         assert!(r.compare(&out).passed(), "{:?}", r.compare(&out));
     }
 }
+
+/// The NEON kernels must actually be exercised when the tests run on aarch64 (under qemu in CI).
+#[cfg(target_arch = "aarch64")]
+#[test]
+fn neon_is_detected_on_aarch64() {
+    assert!(Isa::available().contains(&Isa::Neon), "{:?}", Isa::available());
+}

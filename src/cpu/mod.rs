@@ -146,3 +146,22 @@ pub fn kernel_names(isa: Isa) -> Vec<&'static str> {
         .map(|k| k.name)
         .collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_available_isa_has_its_own_gemm_kernel() {
+        for &isa in Isa::available() {
+            assert_eq!(gemm_f32(isa).isa, isa, "no GEMM kernel generated for {isa}");
+        }
+    }
+
+    #[test]
+    fn isa_names_round_trip() {
+        for isa in Isa::ALL {
+            assert_eq!(isa.name().parse::<Isa>().unwrap(), isa);
+        }
+    }
+}
