@@ -48,3 +48,8 @@ pub use epilogue::Activation;
 pub use error::{Error, Result};
 pub use params::{ConvParams, Geometry, Layout, Padding};
 pub use plan::Plan;
+
+/// The README's examples, compiled and run as doctests so that they stay true.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;
