@@ -244,5 +244,9 @@ fn conv1d_matches_reference() {
 #[cfg(target_arch = "aarch64")]
 #[test]
 fn neon_is_detected_on_aarch64() {
-    assert!(Isa::available().contains(&Isa::Neon), "{:?}", Isa::available());
+    assert!(
+        Isa::available().contains(&Isa::Neon),
+        "{:?}",
+        Isa::available()
+    );
 }

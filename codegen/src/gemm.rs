@@ -79,7 +79,14 @@ pub fn emit_all(specs: &[GemmSpec]) -> TokenStream {
         .iter()
         .map(|s| {
             let (mr, nr) = (s.mr, s.nr);
-            registry_entry(&s.name(), s.isa, quote!(mr: #mr, nr: #nr,))
+            let half = match half_width(s) {
+                Some(_) => {
+                    let h = format_ident!("{}", half_name(s));
+                    quote!(Some(#h))
+                }
+                None => quote!(None),
+            };
+            registry_entry(&s.name(), s.isa, quote!(mr: #mr, nr: #nr, half: #half,))
         })
         .collect();
     quote! {
@@ -97,38 +104,61 @@ fn lit(x: usize) -> Literal {
     Literal::usize_unsuffixed(x)
 }
 
+/// Columns of the half-width edge kernel, where the ISA has one: a last micro-panel with at
+/// most `nr/2` columns then costs half the products (196 pixels are 6 full 32-wide panels and
+/// one half, not 7 full ones).
+fn half_width(spec: &GemmSpec) -> Option<usize> {
+    let lanes = simd(spec.isa)?.lanes;
+    let half = spec.nr / 2;
+    (half >= lanes && half.is_multiple_of(lanes)).then_some(half)
+}
+
+fn half_name(spec: &GemmSpec) -> String {
+    format!("{}_half", spec.name())
+}
+
 fn emit_kernel(spec: &GemmSpec) -> TokenStream {
     match simd(spec.isa) {
         None => emit_scalar(spec),
-        Some(v) => emit_simd(spec, &v),
+        Some(v) => {
+            let full = emit_simd(spec, &v, spec.nr, &spec.name());
+            let half = half_width(spec).map(|cols| emit_simd(spec, &v, cols, &half_name(spec)));
+            quote!(#full #half)
+        }
     }
 }
 
-fn doc(spec: &GemmSpec) -> String {
+fn doc(spec: &GemmSpec, cols: usize) -> String {
+    let what = if cols == spec.nr {
+        format!("{}x{} f32 GEMM microkernel", spec.mr, spec.nr)
+    } else {
+        format!(
+            "{}x{} f32 GEMM edge microkernel: the first {cols} columns of {}-wide B panels",
+            spec.mr, cols, spec.nr
+        )
+    };
     format!(
-        " {}x{} f32 GEMM microkernel ({}): C[m x n] = A-panel · B-panel over `kc` steps, then the epilogue.\n\n \
+        " {what} ({}): C[m x n] = A-panel · B-panel over `kc` steps, then the epilogue.\n\n \
          # Safety\n The CPU must have the ISA; `a` holds `kc*{}` and `b` `kc*{}` readable floats; `c` (and the \
-         epilogue's bias and residual) are valid for `m <= {}` rows of stride `rs_c` and `n <= {}` columns.",
-        spec.mr,
-        spec.nr,
+         epilogue's bias and residual) are valid for `m <= {}` rows of stride `rs_c` and `n <= {cols}` columns.",
         spec.isa.suffix(),
         spec.mr,
         spec.nr,
         spec.mr,
-        spec.nr
     )
 }
 
-fn emit_simd(spec: &GemmSpec, v: &Simd) -> TokenStream {
+/// A kernel computing `cols` of the `nr` columns of each B panel (`cols == nr`: the full one).
+fn emit_simd(spec: &GemmSpec, v: &Simd, cols: usize, name: &str) -> TokenStream {
     assert!(
-        spec.nr.is_multiple_of(v.lanes),
+        spec.nr.is_multiple_of(v.lanes) && cols.is_multiple_of(v.lanes),
         "{}: nr must be a multiple of the vector width",
         spec.name()
     );
     let (mr, nr, lanes) = (spec.mr, spec.nr, v.lanes);
-    let nv = nr / lanes;
-    let name = format_ident!("{}", spec.name());
-    let doc = doc(spec);
+    let nv = cols / lanes;
+    let name = format_ident!("{}", name);
+    let doc = doc(spec, cols);
     let cfg = spec.isa.cfg();
     let (arch, feature) = (&v.arch, v.feature);
     let (zero, load, store, splat, add, min, max) =
@@ -193,11 +223,11 @@ fn emit_simd(spec: &GemmSpec, v: &Simd) -> TokenStream {
         quote!(#store(c.offset(#i * rs_c).add(#off), #c);)
     });
     let spills = per_acc(&|i, j, c| {
-        let off = lit(i * nr + j * lanes);
+        let off = lit(i * cols + j * lanes);
         quote!(#store(tile.as_mut_ptr().add(#off), #c);)
     });
-    let tile_len = lit(mr * nr);
-    let (mr, nr) = (lit(mr), lit(nr));
+    let tile_len = lit(mr * cols);
+    let (mr, nr, cols) = (lit(mr), lit(nr), lit(cols));
 
     quote! {
         #[doc = #doc]
@@ -223,7 +253,7 @@ fn emit_simd(spec: &GemmSpec, v: &Simd) -> TokenStream {
                 a = a.add(#mr);
                 b = b.add(#nr);
             }
-            if m == #mr && n == #nr {
+            if m == #mr && n == #cols {
                 if ep.accumulate {
                     #(#accumulate)*
                 }
@@ -245,7 +275,7 @@ fn emit_simd(spec: &GemmSpec, v: &Simd) -> TokenStream {
             } else {
                 let mut tile = [0.0f32; #tile_len];
                 #(#spills)*
-                store_edge(&tile, #nr, c, rs_c, m, n, ep);
+                store_edge(&tile, #cols, c, rs_c, m, n, ep);
             }
         }
     }
@@ -253,7 +283,7 @@ fn emit_simd(spec: &GemmSpec, v: &Simd) -> TokenStream {
 
 fn emit_scalar(spec: &GemmSpec) -> TokenStream {
     let name = format_ident!("{}", spec.name());
-    let doc = doc(spec);
+    let doc = doc(spec, spec.nr);
     let tile_len = lit(spec.mr * spec.nr);
     let (mr, nr) = (lit(spec.mr), lit(spec.nr));
     quote! {

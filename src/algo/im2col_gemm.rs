@@ -439,14 +439,15 @@ impl Im2colNchw<'_> {
         kc * padded + copies
     }
 
-    /// `dst[t]` = row (ci, ky, kx) of the im2col matrix at output pixel `q0 + t`, for every t.
+    /// `dst[t]` = row (ci, ky, kx) of the im2col matrix at the t-th output pixel from (oy, ox),
+    /// for every t.
     /// Pixels past the last output row read below the image, which is zero padding.
     #[inline(always)]
-    fn fill(&self, dst: &mut [f32], ci: usize, ky: usize, kx: usize, q0: usize) {
+    fn fill(&self, dst: &mut [f32], ci: usize, ky: usize, kx: usize, (oy, ox): (usize, usize)) {
         let g = self.g;
         let plane = &self.input[ci * g.h * g.w..][..g.h * g.w];
         let (h, w, sw) = (g.h as isize, g.w as isize, g.sw as isize);
-        let (mut oy, mut ox) = (q0 / g.ow, q0 % g.ow);
+        let (mut oy, mut ox) = (oy, ox);
         let mut j = 0;
         while j < dst.len() {
             let len = (dst.len() - j).min(g.ow - ox);
@@ -508,13 +509,8 @@ impl Panels for Im2colNchw<'_> {
             let (ci0, nci, lc) = (k0 / taps, kc / taps, copy_len(g, padded));
             for i in 0..nci {
                 for kx in 0..g.kw {
-                    self.fill(
-                        &mut copies[(i * g.kw + kx) * lc..][..lc],
-                        ci0 + i,
-                        0,
-                        kx,
-                        p0,
-                    );
+                    let copy = &mut copies[(i * g.kw + kx) * lc..][..lc];
+                    self.fill(copy, ci0 + i, 0, kx, (p0 / g.ow, p0 % g.ow));
                 }
             }
             for (q, panel) in panels.chunks_exact_mut(kc * r).enumerate() {
@@ -530,10 +526,14 @@ impl Panels for Im2colNchw<'_> {
                 }
             }
         } else {
+            // Counters instead of divisions: this loop runs once per 32 floats.
+            let (mut ci, mut ky, mut kx) = (k0 / taps, k0 % taps / g.kw, k0 % g.kw);
+            let (c0, ky0, kx0) = (ci, ky, kx);
+            let (mut oy, mut ox) = (p0 / g.ow, p0 % g.ow);
             for (q, panel) in panels.chunks_exact_mut(kc * r).enumerate() {
                 let cnt = r.min(len - q * r);
-                for (kk, row) in panel.chunks_exact_mut(r).enumerate() {
-                    let (ci, tap) = ((k0 + kk) / taps, (k0 + kk) % taps);
+                (ci, ky, kx) = (c0, ky0, kx0);
+                for row in panel.chunks_exact_mut(r) {
                     if pointwise {
                         // 1x1, stride 1, no padding: the rows of B are the input channels.
                         copy_run(
@@ -541,9 +541,23 @@ impl Panels for Im2colNchw<'_> {
                             &self.input[ci * plane + p0 + q * r..][..cnt],
                         );
                     } else {
-                        self.fill(&mut row[..cnt], ci, tap / g.kw, tap % g.kw, p0 + q * r);
+                        self.fill(&mut row[..cnt], ci, ky, kx, (oy, ox));
                     }
                     zero_run(&mut row[cnt..]);
+                    kx += 1;
+                    if kx == g.kw {
+                        kx = 0;
+                        ky += 1;
+                        if ky == g.kh {
+                            ky = 0;
+                            ci += 1;
+                        }
+                    }
+                }
+                ox += r;
+                while ox >= g.ow {
+                    ox -= g.ow;
+                    oy += 1;
                 }
             }
         }

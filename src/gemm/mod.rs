@@ -24,6 +24,8 @@ pub struct GemmKernel {
     pub func: GemmKernelFn,
     pub mr: usize,
     pub nr: usize,
+    /// The same kernel over only the first `nr/2` columns, for a last micro-panel that narrow.
+    pub half: Option<GemmKernelFn>,
 }
 
 /// What a microkernel does after the products: the kernel contract's params struct.
@@ -197,11 +199,13 @@ pub(crate) unsafe fn gemm<A: Panels, B: Panels>(
             for ic in (0..m).step_by(blk.mc) {
                 let mcur = blk.mc.min(m - ic);
                 let (ap, a_stride) = a.panels(ic, mcur, pc, kc, mr, a_buf);
-                for jr in (0..ncur).step_by(nr) {
+                // Panel indices come from enumerate: a division by the runtime nr/mr per
+                // kernel call would cost a few percent.
+                for (jp, jr) in (0..ncur).step_by(nr).enumerate() {
                     let col = jc + jr;
                     let nn = nr.min(ncur - jr);
-                    let bpanel = bp.add(jr / nr * b_stride);
-                    for ir in (0..mcur).step_by(mr) {
+                    let bpanel = bp.add(jp * b_stride);
+                    for (ip, ir) in (0..mcur).step_by(mr).enumerate() {
                         let row = ic + ir;
                         let mm = mr.min(mcur - ir);
                         let c = out.c.offset(row as isize * out.rs_c).add(col);
@@ -225,16 +229,11 @@ pub(crate) unsafe fn gemm<A: Panels, B: Panels>(
                         };
                         // SAFETY: the panels hold kc steps of mr/nr floats (packers zero-pad);
                         // c is inside the caller's m x n output; the ISA was checked at create.
-                        (kern.func)(
-                            kc,
-                            ap.add(ir / mr * a_stride),
-                            bpanel,
-                            c,
-                            out.rs_c,
-                            mm,
-                            nn,
-                            &ep,
-                        );
+                        let func = match kern.half {
+                            Some(half) if nn <= nr / 2 => half,
+                            _ => kern.func,
+                        };
+                        func(kc, ap.add(ip * a_stride), bpanel, c, out.rs_c, mm, nn, &ep);
                         if last && pass {
                             for i in 0..mm {
                                 let r = std::slice::from_raw_parts_mut(
