@@ -12,6 +12,20 @@ pub enum Layout {
     Nhwc,
 }
 
+impl std::str::FromStr for Layout {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Layout> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "nchw" => Ok(Layout::Nchw),
+            "nhwc" => Ok(Layout::Nhwc),
+            _ => Err(Error::InvalidParameter {
+                what: "layout",
+                detail: format!("{s:?} is not nchw or nhwc"),
+            }),
+        }
+    }
+}
+
 /// Padding, with ONNX's `auto_pad` semantics for the automatic modes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Padding {

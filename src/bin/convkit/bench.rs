@@ -40,11 +40,21 @@ pub fn main(args: &[String]) -> CliResult<bool> {
             "algorithm",
             "reps",
             "only",
+            "layout",
             "peak",
         ],
         &["csv"],
     )?;
     let layers = layers::load(flags.get("layers"), flags.get("only"))?;
+    // The suite is written NCHW; --layout nhwc runs the same layers on NHWC tensors.
+    let layout: convkit::Layout = flags.parsed("layout")?.unwrap_or_default();
+    let layers: Vec<_> = layers
+        .into_iter()
+        .map(|mut l| {
+            l.params.layout = layout;
+            l
+        })
+        .collect();
     let reps: usize = flags.parsed("reps")?.unwrap_or(7);
     if reps == 0 {
         return Err(CliError::Usage("--reps must be at least 1".into()));

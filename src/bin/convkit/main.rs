@@ -19,10 +19,10 @@ Usage:
   convkit info
       CPU, ISA levels, threads, kernels and algorithms.
   convkit bench [--layers FILE] [--only NAME,...] [--threads N] [--isa LEVEL]
-                [--algorithm NAME] [--reps N] [--peak GFLOPS] [--csv]
+                [--layout nchw|nhwc] [--algorithm NAME] [--reps N] [--peak GFLOPS] [--csv]
       Check each layer once against the reference, then time it (median of --reps,
       default 7, repetitions of >= 20 ms each).
-  convkit check [--layers FILE] [--only NAME,...] [--threads N]
+  convkit check [--layers FILE] [--only NAME,...] [--threads N] [--layout nchw|nhwc]
       Every layer with every algorithm at every ISA level of this CPU, against the reference.
   convkit run --layer N,C_IN,H,W,C_OUT,KH,KW,SH,SW,PH,PW,DH,DW,GROUPS
               --input X.npy --weight W.npy [--bias B.npy] --output Y.npy
@@ -38,6 +38,7 @@ Options:
   --only A,B        only these layers of the suite
   --threads N       worker threads (default 1; 0 = one per core)
   --isa LEVEL       scalar, avx2, avx512 or neon (default: the best, or CONVKIT_ISA)
+  --layout L        run the suite's layers on nchw (default) or nhwc tensors
   --algorithm NAME  force an algorithm (see `convkit info`)
   --peak GFLOPS     per-core peak for the %peak column (default: measured at start-up)
   --csv             CSV instead of a table on stdout
