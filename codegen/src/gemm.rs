@@ -79,14 +79,23 @@ pub fn emit_all(specs: &[GemmSpec]) -> TokenStream {
         .iter()
         .map(|s| {
             let (mr, nr) = (s.mr, s.nr);
-            let half = match half_width(s) {
-                Some(_) => {
-                    let h = format_ident!("{}", half_name(s));
-                    quote!(Some(#h))
-                }
+            let some = |name: String| {
+                let f = format_ident!("{}", name);
+                quote!(Some(#f))
+            };
+            let simd = simd(s.isa).is_some();
+            let half = half_width(s).map_or(quote!(None), |_| some(half_name(s)));
+            let rows = if simd {
+                some(format!("{}_rows", s.name()))
+            } else {
+                quote!(None)
+            };
+            let half_rows = match half_width(s) {
+                Some(_) => some(format!("{}_rows", half_name(s))),
                 None => quote!(None),
             };
-            registry_entry(&s.name(), s.isa, quote!(mr: #mr, nr: #nr, half: #half,))
+            let fields = quote!(mr: #mr, nr: #nr, half: #half, rows: #rows, half_rows: #half_rows,);
+            registry_entry(&s.name(), s.isa, fields)
         })
         .collect();
     quote! {
@@ -121,9 +130,27 @@ fn emit_kernel(spec: &GemmSpec) -> TokenStream {
     match simd(spec.isa) {
         None => emit_scalar(spec),
         Some(v) => {
-            let full = emit_simd(spec, &v, spec.nr, &spec.name());
-            let half = half_width(spec).map(|cols| emit_simd(spec, &v, cols, &half_name(spec)));
-            quote!(#full #half)
+            let mut out = TokenStream::new();
+            for rows in [false, true] {
+                let suffix = if rows { "_rows" } else { "" };
+                out.extend(emit_simd(
+                    spec,
+                    &v,
+                    spec.nr,
+                    &format!("{}{suffix}", spec.name()),
+                    rows,
+                ));
+                if let Some(cols) = half_width(spec) {
+                    out.extend(emit_simd(
+                        spec,
+                        &v,
+                        cols,
+                        &format!("{}{suffix}", half_name(spec)),
+                        rows,
+                    ));
+                }
+            }
+            out
         }
     }
 }
@@ -149,7 +176,11 @@ fn doc(spec: &GemmSpec, cols: usize) -> String {
 }
 
 /// A kernel computing `cols` of the `nr` columns of each B panel (`cols == nr`: the full one).
-fn emit_simd(spec: &GemmSpec, v: &Simd, cols: usize, name: &str) -> TokenStream {
+///
+/// With `rows`, B comes as row pointers instead of a packed panel: step `k` reads `cols`
+/// floats at `b_rows[k] + b_off`. The driver uses that where each row already lies contiguous
+/// in a shifted copy of the input, so the B panel needs no packing at all.
+fn emit_simd(spec: &GemmSpec, v: &Simd, cols: usize, name: &str, rows: bool) -> TokenStream {
     assert!(
         spec.nr.is_multiple_of(v.lanes) && cols.is_multiple_of(v.lanes),
         "{}: nr must be a multiple of the vector width",
@@ -228,6 +259,33 @@ fn emit_simd(spec: &GemmSpec, v: &Simd, cols: usize, name: &str) -> TokenStream 
     });
     let tile_len = lit(mr * cols);
     let (mr, nr, cols) = (lit(mr), lit(nr), lit(cols));
+    let (b_params, b_loop) = if rows {
+        (
+            quote!(b_rows: *const *const f32, b_off: usize,),
+            quote! {
+                let mut a = a;
+                for k in 0..kc {
+                    let b = (*b_rows.add(k)).add(b_off);
+                    #(#b_loads)*
+                    #(#fmas)*
+                    a = a.add(#mr);
+                }
+            },
+        )
+    } else {
+        (
+            quote!(b: *const f32,),
+            quote! {
+                let (mut a, mut b) = (a, b);
+                for _ in 0..kc {
+                    #(#b_loads)*
+                    #(#fmas)*
+                    a = a.add(#mr);
+                    b = b.add(#nr);
+                }
+            },
+        )
+    };
 
     quote! {
         #[doc = #doc]
@@ -237,7 +295,7 @@ fn emit_simd(spec: &GemmSpec, v: &Simd, cols: usize, name: &str) -> TokenStream 
         pub unsafe fn #name(
             kc: usize,
             a: *const f32,
-            b: *const f32,
+            #b_params
             c: *mut f32,
             rs_c: isize,
             m: usize,
@@ -246,13 +304,7 @@ fn emit_simd(spec: &GemmSpec, v: &Simd, cols: usize, name: &str) -> TokenStream 
         ) {
             use #arch::*;
             #(#decls)*
-            let (mut a, mut b) = (a, b);
-            for _ in 0..kc {
-                #(#b_loads)*
-                #(#fmas)*
-                a = a.add(#mr);
-                b = b.add(#nr);
-            }
+            #b_loop
             if m == #mr && n == #cols {
                 if ep.accumulate {
                     #(#accumulate)*

@@ -17,7 +17,7 @@
 use crate::buffer::AlignedBuf;
 use crate::cpu::{self, Isa};
 use crate::gemm::pack::{prepack, prepacked_len, Prepacked};
-use crate::gemm::{gemm, Blocking, GemmKernel, Output, Panels, NC_MAX};
+use crate::gemm::{gemm, BBlock, BlockB, Blocking, GemmKernel, Output, Panels, NC_MAX};
 use crate::params::{mul, Geometry};
 use crate::{Activation, ConvParams, Layout, Result};
 use rayon::prelude::*;
@@ -416,9 +416,15 @@ struct Im2colNchw<'a> {
 }
 
 /// Floats between two shifted copies: the pixels of the block plus `(kh-1)·dh` more output
-/// rows, rounded to whole cache lines.
+/// rows, rounded to whole cache lines, and off any multiple of 4 KiB so that the rows one
+/// micro-panel reads from several copies do not all fall on the same few L1 sets.
 fn copy_len(g: &Geometry, padded: usize) -> usize {
-    (padded + (g.kh - 1) * g.dh * g.ow).div_ceil(16) * 16
+    let len = (padded + (g.kh - 1) * g.dh * g.ow).div_ceil(16) * 16;
+    if len.is_multiple_of(1024) {
+        len + 16
+    } else {
+        len
+    }
 }
 
 impl Im2colNchw<'_> {
@@ -483,6 +489,47 @@ impl Im2colNchw<'_> {
             j += len;
             oy += 1;
             ox = 0;
+        }
+    }
+}
+
+impl BlockB for Im2colNchw<'_> {
+    /// With vertical stride 1 and a row-pointer kernel, the shifted copies are the B block:
+    /// row (ci, ky, kx) starts `ky·dh` output rows into copy (ci, kx), and no panel is packed.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    fn block(
+        &self,
+        start: usize,
+        len: usize,
+        k0: usize,
+        kc: usize,
+        r: usize,
+        dst: &mut [f32],
+        rows: Option<&mut [*const f32]>,
+    ) -> BBlock {
+        let g = self.g;
+        let taps = g.kh * g.kw;
+        match rows {
+            Some(rows) if Self::shifted(g, k0, kc) => {
+                let p0 = self.col0 + start;
+                let (ci0, nci) = (k0 / taps, kc / taps);
+                let lc = copy_len(g, len.div_ceil(r) * r);
+                for i in 0..nci {
+                    for kx in 0..g.kw {
+                        let copy = &mut dst[(i * g.kw + kx) * lc..][..lc];
+                        self.fill(copy, ci0 + i, 0, kx, (p0 / g.ow, p0 % g.ow));
+                        for ky in 0..g.kh {
+                            rows[i * taps + ky * g.kw + kx] = copy[ky * g.dh * g.ow..].as_ptr();
+                        }
+                    }
+                }
+                BBlock::Rows { stride: r }
+            }
+            _ => {
+                let (ptr, stride) = self.panels(start, len, k0, kc, r, dst);
+                BBlock::Panels { ptr, stride }
+            }
         }
     }
 }

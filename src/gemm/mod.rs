@@ -17,6 +17,19 @@ use crate::{Activation, Error, Result};
 pub type GemmKernelFn =
     unsafe fn(usize, *const f32, *const f32, *mut f32, isize, usize, usize, &GemmEpilogue);
 
+/// The signature of the row-pointer variants: B step `k` is `nr` floats at `b_rows[k] + b_off`.
+pub type GemmRowsFn = unsafe fn(
+    usize,
+    *const f32,
+    *const *const f32,
+    usize,
+    *mut f32,
+    isize,
+    usize,
+    usize,
+    &GemmEpilogue,
+);
+
 /// A generated microkernel and its register tile.
 pub struct GemmKernel {
     pub name: &'static str,
@@ -26,6 +39,9 @@ pub struct GemmKernel {
     pub nr: usize,
     /// The same kernel over only the first `nr/2` columns, for a last micro-panel that narrow.
     pub half: Option<GemmKernelFn>,
+    /// Variants that read B through row pointers (SIMD ISAs).
+    pub rows: Option<GemmRowsFn>,
+    pub half_rows: Option<GemmRowsFn>,
 }
 
 /// What a microkernel does after the products: the kernel contract's params struct.
@@ -104,7 +120,7 @@ impl Blocking {
     /// short remainder, and each a multiple of `align` where that fits (im2col blocks that
     /// hold whole input channels).
     pub(crate) fn new(kern: &GemmKernel, k: usize, nc: usize, align: usize) -> Blocking {
-        let kc_max = (L1_PANEL_BYTES / (4 * kern.nr)).clamp(64, 384);
+        let kc_max = (L1_PANEL_BYTES / (4 * kern.nr)).clamp(64, KC_LIMIT);
         let kc = if align > 1 && align <= kc_max && k.is_multiple_of(align) {
             let units = k / align;
             units.div_ceil(units.div_ceil(kc_max / align)) * align
@@ -148,6 +164,40 @@ pub(crate) trait Panels {
     ) -> (*const f32, usize);
 }
 
+/// A block of B as the kernels read it.
+pub(crate) enum BBlock {
+    /// Packed micro-panels: the first at `ptr`, each next one `stride` floats further.
+    Panels { ptr: *const f32, stride: usize },
+    /// Row pointers to the first micro-panel's rows (in the array the driver offered); each
+    /// next micro-panel is `stride` floats further along every row.
+    Rows { stride: usize },
+}
+
+/// The B operand: packed panels, or row pointers where the kernel has a row-pointer variant.
+pub(crate) trait BlockB: Panels {
+    /// As [`Panels::panels`] for columns `start..start+len`, or, when `rows` is offered and
+    /// the rows already lie contiguous somewhere (each readable for `len` rounded up to `r`
+    /// floats), their pointers instead of a packed copy.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    fn block(
+        &self,
+        start: usize,
+        len: usize,
+        k0: usize,
+        kc: usize,
+        r: usize,
+        dst: &mut [f32],
+        _rows: Option<&mut [*const f32]>,
+    ) -> BBlock {
+        let (ptr, stride) = self.panels(start, len, k0, kc, r, dst);
+        BBlock::Panels { ptr, stride }
+    }
+}
+
+/// Longest K-block (the driver keeps one row pointer per step on the stack).
+const KC_LIMIT: usize = 384;
+
 /// Output tile and epilogue of one GEMM call: C is `m x n`, rows `rs_c` apart.
 pub(crate) struct Output<'a> {
     pub c: *mut f32,
@@ -169,7 +219,7 @@ pub(crate) struct Output<'a> {
 /// `m` (by row) or `n` (by column) values. The kernel's ISA must be available.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-pub(crate) unsafe fn gemm<A: Panels, B: Panels>(
+pub(crate) unsafe fn gemm<A: Panels, B: BlockB>(
     kern: &GemmKernel,
     blk: &Blocking,
     m: usize,
@@ -189,13 +239,15 @@ pub(crate) unsafe fn gemm<A: Panels, B: Panels>(
     } else {
         blk.nc
     };
+    let mut rows = [std::ptr::null::<f32>(); KC_LIMIT];
     for jc in (0..n).step_by(nc) {
         let ncur = nc.min(n - jc);
         let mut pc = 0;
         while pc < k {
             let kc = blk.kc.min(k - pc);
             let last = pc + kc == k;
-            let (bp, b_stride) = b.panels(jc, ncur, pc, kc, nr, b_buf);
+            let offer = kern.rows.is_some() && kc <= KC_LIMIT;
+            let b_block = b.block(jc, ncur, pc, kc, nr, b_buf, offer.then_some(&mut rows[..]));
             for ic in (0..m).step_by(blk.mc) {
                 let mcur = blk.mc.min(m - ic);
                 let (ap, a_stride) = a.panels(ic, mcur, pc, kc, mr, a_buf);
@@ -204,7 +256,6 @@ pub(crate) unsafe fn gemm<A: Panels, B: Panels>(
                 for (jp, jr) in (0..ncur).step_by(nr).enumerate() {
                     let col = jc + jr;
                     let nn = nr.min(ncur - jr);
-                    let bpanel = bp.add(jp * b_stride);
                     for (ip, ir) in (0..mcur).step_by(mr).enumerate() {
                         let row = ic + ir;
                         let mm = mr.min(mcur - ir);
@@ -227,13 +278,33 @@ pub(crate) unsafe fn gemm<A: Panels, B: Panels>(
                             min,
                             max,
                         };
-                        // SAFETY: the panels hold kc steps of mr/nr floats (packers zero-pad);
-                        // c is inside the caller's m x n output; the ISA was checked at create.
-                        let func = match kern.half {
-                            Some(half) if nn <= nr / 2 => half,
-                            _ => kern.func,
-                        };
-                        func(kc, ap.add(ip * a_stride), bpanel, c, out.rs_c, mm, nn, &ep);
+                        // SAFETY: the A panel holds kc steps of mr floats and the B panel (or each
+                        // B row at its offset) nr floats (packers zero-pad, `block` keeps rows
+                        // readable past `len`); c is inside the caller's m x n output; the ISA
+                        // was checked at create.
+                        let narrow = nn <= nr / 2;
+                        let a_panel = ap.add(ip * a_stride);
+                        match b_block {
+                            BBlock::Panels { ptr, stride } => {
+                                let func = match kern.half {
+                                    Some(half) if narrow => half,
+                                    _ => kern.func,
+                                };
+                                let b_panel = ptr.add(jp * stride);
+                                func(kc, a_panel, b_panel, c, out.rs_c, mm, nn, &ep);
+                            }
+                            BBlock::Rows { stride } => {
+                                let func = match (kern.half_rows, kern.rows) {
+                                    (Some(half), _) if narrow => half,
+                                    (_, Some(full)) => full,
+                                    // `block` gives rows only when offered, and it is offered
+                                    // only when the kernel has a row variant.
+                                    _ => continue,
+                                };
+                                let b_rows = rows.as_ptr();
+                                func(kc, a_panel, b_rows, jp * stride, c, out.rs_c, mm, nn, &ep);
+                            }
+                        }
                         if last && pass {
                             for i in 0..mm {
                                 let r = std::slice::from_raw_parts_mut(

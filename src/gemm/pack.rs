@@ -1,7 +1,7 @@
 //! Packing of GEMM operands into micro-panels: `r` rows (A) or columns (B) interleaved per K
 //! step, zero-padded to a whole panel, so the microkernel reads both operands contiguously.
 
-use super::Panels;
+use super::{BlockB, Panels};
 
 /// Operand packed once at create time: for each micro-panel of `r` rows/columns, all `k` steps.
 pub(crate) struct Prepacked<'a> {
@@ -118,3 +118,6 @@ impl Panels for RowMajorB<'_> {
         (dst.as_ptr(), kc * r)
     }
 }
+
+impl BlockB for Prepacked<'_> {}
+impl BlockB for RowMajorB<'_> {}
