@@ -1,6 +1,7 @@
 //! The per-core f32 peak, measured with a tight loop of independent FMA chains, so that
 //! `bench` can say how close each kernel gets to what the core can do.
 
+#[cfg(target_arch = "x86_64")]
 use convkit::Isa;
 use std::hint::black_box;
 use std::time::{Duration, Instant};
