@@ -186,6 +186,51 @@ proptest! {
     }
 }
 
+/// 1-D convolutions of every stride/dilation/padding mix: taps share shifted copies along x.
+fn case_1d() -> impl Strategy<Value = Case> {
+    (
+        1usize..3,
+        1usize..12,
+        1usize..40,
+        1usize..11,
+        1usize..6,
+        1usize..4,
+        0usize..6,
+        0usize..6,
+        1usize..300,
+        any::<u64>(),
+    )
+        .prop_map(|(groups, cin_g, cout_g, k, s, d, left, right, len, seed)| {
+            let params = ConvParams::conv1d(groups * cin_g, groups * cout_g, k)
+                .with_groups(groups)
+                .with_stride([1, s])
+                .with_dilation([1, d])
+                .with_padding(Padding::Explicit {
+                    top: 0,
+                    bottom: 0,
+                    left,
+                    right,
+                });
+            Case {
+                params,
+                batch: 1 + (seed % 2) as usize,
+                h: 1,
+                w: len,
+                bias: seed % 3 == 0,
+                residual: seed % 5 == 0,
+                seed,
+            }
+        })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: cases(300) / 3, ..ProptestConfig::default() })]
+    #[test]
+    fn conv1d_shapes_match_reference(case in case_1d()) {
+        check(&case)?;
+    }
+}
+
 /// Shapes that cross every blocking boundary of the GEMM driver: K > 256 (several K-blocks),
 /// M > 144 (several M-blocks), more than 512 pixels (several N-blocks), both layouts.
 #[test]
@@ -219,6 +264,7 @@ fn conv1d_matches_reference() {
         (8, 12, 101, 3, 2, 1),
         (1, 16, 400, 10, 5, 0),
         (20, 20, 37, 3, 1, 1),
+        (200, 24, 300, 3, 2, 1),
     ] {
         let p = ConvParams::conv1d(cin, cout, k)
             .with_stride([1, s])

@@ -305,8 +305,9 @@ impl Im2colGemm {
     }
 }
 
-/// Packing one im2col element costs about as much as this many multiply-adds in the kernel.
-const PACK_COST: usize = 8;
+/// Packing one im2col element costs about as much as this many multiply-adds in the kernel
+/// (a strided gather: about one cycle, while the kernel does 16 multiply-adds a cycle).
+const PACK_COST: usize = 16;
 
 /// Chooses the chunk sizes (rows, columns) of the work items: the split whose busiest worker
 /// has the least to do, counting tile padding at the chunk edges and the im2col packing each
@@ -434,15 +435,25 @@ impl Im2colNchw<'_> {
         g.sh == 1 && g.kh > 1 && k0.is_multiple_of(taps) && kc.is_multiple_of(taps)
     }
 
-    /// Floats of scratch for a B block of `kc x nc` with micro-panels of `nr`.
+    /// True for a single output row (1-D convolutions), where taps share copies along x.
+    fn one_row(g: &Geometry) -> bool {
+        g.kh == 1 && g.oh == 1 && g.h == 1
+    }
+
+    /// Floats of scratch for a B block of `kc x nc` with micro-panels of `nr`: packed panels
+    /// (and the shifted copies they are packed from), or the 1-D shifted copies, whichever the
+    /// block uses.
     fn scratch(g: &Geometry, kc: usize, nc: usize, nr: usize) -> usize {
         let padded = nc.div_ceil(nr) * nr;
-        let copies = if Self::shifted(g, 0, kc) {
-            kc / (g.kh * g.kw) * g.kw * copy_len(g, padded)
-        } else {
-            0
-        };
-        kc * padded + copies
+        let channels = kc / (g.kh * g.kw);
+        let mut floats = kc * padded;
+        if Self::shifted(g, 0, kc) {
+            floats += channels * g.kw * copy_len(g, padded);
+        }
+        if Self::one_row(g) {
+            floats = floats.max(channels * g.sw * one_row_copy_len(g, padded));
+        }
+        floats
     }
 
     /// `dst[t]` = row (ci, ky, kx) of the im2col matrix at the t-th output pixel from (oy, ox),
@@ -452,44 +463,63 @@ impl Im2colNchw<'_> {
     fn fill(&self, dst: &mut [f32], ci: usize, ky: usize, kx: usize, (oy, ox): (usize, usize)) {
         let g = self.g;
         let plane = &self.input[ci * g.h * g.w..][..g.h * g.w];
-        let (h, w, sw) = (g.h as isize, g.w as isize, g.sw as isize);
         let (mut oy, mut ox) = (oy, ox);
         let mut j = 0;
         while j < dst.len() {
             let len = (dst.len() - j).min(g.ow - ox);
-            let run = &mut dst[j..j + len];
             let iy = (oy * g.sh + ky * g.dh) as isize - g.pad_top as isize;
             let ix0 = (ox * g.sw + kx * g.dw) as isize - g.pad_left as isize;
-            // Pixels lo..hi of the run read inside the image row; the rest is padding.
-            let lo = if ix0 >= 0 {
-                0
-            } else {
-                ((-ix0 + sw - 1) / sw).min(len as isize) as usize
-            };
-            let hi = if ix0 >= w {
-                lo
-            } else {
-                ((w - ix0 + sw - 1) / sw).clamp(lo as isize, len as isize) as usize
-            };
-            if iy < 0 || iy >= h || hi == lo {
-                zero_run(run);
-            } else {
-                let src = &plane[iy as usize * g.w..][..g.w];
-                let first = (ix0 + lo as isize * sw) as usize;
-                if g.sw == 1 {
-                    copy_run(&mut run[lo..hi], &src[first..first + hi - lo]);
-                } else {
-                    for (d, s) in run[lo..hi].iter_mut().zip(src[first..].chunks(g.sw)) {
-                        *d = s[0];
-                    }
-                }
-                zero_run(&mut run[..lo]);
-                zero_run(&mut run[hi..]);
-            }
+            let row = (iy >= 0 && iy < g.h as isize).then(|| &plane[iy as usize * g.w..][..g.w]);
+            fill_run(&mut dst[j..j + len], row, ix0, g.sw);
             j += len;
             oy += 1;
             ox = 0;
         }
+    }
+}
+
+/// `run[t]` = `row[ix0 + t·sw]`, zero where that is outside the row (or there is no row: the
+/// input row itself is padding).
+#[inline(always)]
+fn fill_run(run: &mut [f32], row: Option<&[f32]>, ix0: isize, sw: usize) {
+    let Some(src) = row else {
+        zero_run(run);
+        return;
+    };
+    let (len, w, s) = (run.len() as isize, src.len() as isize, sw as isize);
+    // Pixels lo..hi read inside the row; the rest is padding.
+    let lo = if ix0 >= 0 {
+        0
+    } else {
+        ((-ix0 + s - 1) / s).min(len) as usize
+    };
+    let hi = if ix0 >= w {
+        lo
+    } else {
+        ((w - ix0 + s - 1) / s).clamp(lo as isize, len) as usize
+    };
+    if hi > lo {
+        let first = (ix0 + lo as isize * s) as usize;
+        if sw == 1 {
+            copy_run(&mut run[lo..hi], &src[first..first + hi - lo]);
+        } else {
+            for (d, x) in run[lo..hi].iter_mut().zip(src[first..].chunks(sw)) {
+                *d = x[0];
+            }
+        }
+    }
+    zero_run(&mut run[..lo]);
+    zero_run(&mut run[hi..]);
+}
+
+/// Floats of one 1-D shifted copy: the block's pixels plus the largest tap shift, rounded to
+/// whole cache lines (and off multiples of 4 KiB, as [`copy_len`]).
+fn one_row_copy_len(g: &Geometry, padded: usize) -> usize {
+    let len = (padded + (g.kw - 1) * g.dw / g.sw).div_ceil(16) * 16;
+    if len.is_multiple_of(1024) {
+        len + 16
+    } else {
+        len
     }
 }
 
@@ -510,10 +540,11 @@ impl BlockB for Im2colNchw<'_> {
     ) -> BBlock {
         let g = self.g;
         let taps = g.kh * g.kw;
+        let aligned = k0.is_multiple_of(taps) && kc.is_multiple_of(taps);
+        let p0 = self.col0 + start;
+        let (ci0, nci) = (k0 / taps, kc / taps);
         match rows {
             Some(rows) if Self::shifted(g, k0, kc) => {
-                let p0 = self.col0 + start;
-                let (ci0, nci) = (k0 / taps, kc / taps);
                 let lc = copy_len(g, len.div_ceil(r) * r);
                 for i in 0..nci {
                     for kx in 0..g.kw {
@@ -522,6 +553,25 @@ impl BlockB for Im2colNchw<'_> {
                         for ky in 0..g.kh {
                             rows[i * taps + ky * g.kw + kx] = copy[ky * g.dh * g.ow..].as_ptr();
                         }
+                    }
+                }
+                BBlock::Rows { stride: r }
+            }
+            Some(rows) if aligned && Self::one_row(g) => {
+                // One output row (1-D): tap kx reads input x = p·sw + kx·dw, which is the copy
+                // of phase (kx·dw mod sw) shifted by (kx·dw div sw) pixels, so taps that differ
+                // by a multiple of the stride share one copy.
+                let lc = one_row_copy_len(g, len.div_ceil(r) * r);
+                let src = |ci: usize| &self.input[ci * g.w..][..g.w];
+                for i in 0..nci {
+                    for phase in 0..g.sw.min(g.kw * g.dw) {
+                        let copy = &mut dst[(i * g.sw + phase) * lc..][..lc];
+                        let ix0 = (p0 * g.sw + phase) as isize - g.pad_left as isize;
+                        fill_run(copy, Some(src(ci0 + i)), ix0, g.sw);
+                    }
+                    for kx in 0..g.kw {
+                        let (phase, shift) = (kx * g.dw % g.sw, kx * g.dw / g.sw);
+                        rows[i * g.kw + kx] = dst[(i * g.sw + phase) * lc + shift..].as_ptr();
                     }
                 }
                 BBlock::Rows { stride: r }
