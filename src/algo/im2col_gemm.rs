@@ -435,9 +435,14 @@ impl Im2colNchw<'_> {
         g.sh == 1 && g.kh > 1 && k0.is_multiple_of(taps) && kc.is_multiple_of(taps)
     }
 
+    /// True for 1x1 stride-1 unpadded convolutions, whose B rows are the input channels.
+    fn pointwise(g: &Geometry) -> bool {
+        g.kh * g.kw == 1 && g.sh == 1 && g.sw == 1 && (g.oh, g.ow) == (g.h, g.w)
+    }
+
     /// True for a single output row (1-D convolutions), where taps share copies along x.
     fn one_row(g: &Geometry) -> bool {
-        g.kh == 1 && g.oh == 1 && g.h == 1
+        g.kh == 1 && g.h == 1 && g.oh == 1 && g.pad_top == 0
     }
 
     /// Floats of scratch for a B block of `kc x nc` with micro-panels of `nr`: packed panels
@@ -557,6 +562,17 @@ impl BlockB for Im2colNchw<'_> {
                 }
                 BBlock::Rows { stride: r }
             }
+            Some(rows)
+                if Self::pointwise(g)
+                    && (k0 + kc - 1) * g.h * g.w + p0 + len.div_ceil(r) * r <= self.input.len() =>
+            {
+                // 1x1, stride 1, no padding: the rows are the input channels themselves (the
+                // columns past `len` read the next channel: they only feed columns never stored).
+                for (kk, row) in rows[..kc].iter_mut().enumerate() {
+                    *row = self.input[(k0 + kk) * g.h * g.w + p0..].as_ptr();
+                }
+                BBlock::Rows { stride: r }
+            }
             Some(rows) if aligned && Self::one_row(g) => {
                 // One output row (1-D): tap kx reads input x = p·sw + kx·dw, which is the copy
                 // of phase (kx·dw mod sw) shifted by (kx·dw div sw) pixels, so taps that differ
@@ -601,7 +617,7 @@ impl Panels for Im2colNchw<'_> {
         let p0 = self.col0 + start;
         let padded = len.div_ceil(r) * r;
         let (panels, copies) = dst.split_at_mut(kc * padded);
-        let pointwise = taps == 1 && g.sw == 1 && (g.oh, g.ow) == (g.h, g.w);
+        let pointwise = Self::pointwise(g);
         if Self::shifted(g, k0, kc) {
             let (ci0, nci, lc) = (k0 / taps, kc / taps, copy_len(g, padded));
             for i in 0..nci {
