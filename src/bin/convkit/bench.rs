@@ -45,16 +45,12 @@ pub fn main(args: &[String]) -> CliResult<bool> {
         ],
         &["csv"],
     )?;
-    let layers = layers::load(flags.get("layers"), flags.get("only"))?;
-    // The suite is written NCHW; --layout nhwc runs the same layers on NHWC tensors.
-    let layout: convkit::Layout = flags.parsed("layout")?.unwrap_or_default();
-    let layers: Vec<_> = layers
-        .into_iter()
-        .map(|mut l| {
-            l.params.layout = layout;
-            l
-        })
-        .collect();
+    let layers = layers::load(
+        flags.get("layers"),
+        flags.get("only"),
+        flags.parsed("layout")?,
+    )?;
+
     let reps: usize = flags.parsed("reps")?.unwrap_or(7);
     if reps == 0 {
         return Err(CliError::Usage("--reps must be at least 1".into()));
@@ -183,7 +179,6 @@ fn print_table(rows: &[(&Layer, Outcome)], peak: f64, csv: bool) {
         .iter()
         .map(|(layer, o)| {
             let name = layer.name.clone();
-            let dash = || "-".to_string();
             match o {
                 Outcome::Ran(m) => [
                     name,
@@ -195,26 +190,16 @@ fn print_table(rows: &[(&Layer, Outcome)], peak: f64, csv: bool) {
                     format!("{:.2e}", m.max_abs),
                     if m.passed { "ok" } else { "FAIL" }.to_string(),
                 ],
-                Outcome::Skipped(_) => [
-                    name,
-                    dash(),
-                    dash(),
-                    dash(),
-                    dash(),
-                    dash(),
-                    dash(),
-                    "skip".into(),
-                ],
-                Outcome::Error(_) => [
-                    name,
-                    dash(),
-                    dash(),
-                    dash(),
-                    dash(),
-                    dash(),
-                    dash(),
-                    "ERROR".into(),
-                ],
+                Outcome::Skipped(_) | Outcome::Error(_) => {
+                    let status = if matches!(o, Outcome::Skipped(_)) {
+                        "skip"
+                    } else {
+                        "ERROR"
+                    };
+                    let mut row: [String; 8] = std::array::from_fn(|_| "-".to_string());
+                    (row[0], row[7]) = (name, status.into());
+                    row
+                }
             }
         })
         .collect();

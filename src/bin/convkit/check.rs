@@ -8,16 +8,12 @@ use convkit::{Algorithm, Conv2d, Error, Isa, Options, Workspace};
 
 pub fn main(args: &[String]) -> CliResult<bool> {
     let flags = Flags::parse(args, &["layers", "threads", "only", "layout"], &[])?;
-    let layers = layers::load(flags.get("layers"), flags.get("only"))?;
-    // The suite is written NCHW; --layout nhwc runs the same layers on NHWC tensors.
-    let layout: convkit::Layout = flags.parsed("layout")?.unwrap_or_default();
-    let layers: Vec<_> = layers
-        .into_iter()
-        .map(|mut l| {
-            l.params.layout = layout;
-            l
-        })
-        .collect();
+    let layers = layers::load(
+        flags.get("layers"),
+        flags.get("only"),
+        flags.parsed("layout")?,
+    )?;
+
     let (threads, _) = setup_threads(flags.parsed("threads")?)?;
     let width = layers.iter().map(|l| l.name.len()).max().unwrap_or(0);
     let (mut passed, mut failed, mut skipped) = (0usize, 0usize, 0usize);

@@ -16,7 +16,12 @@ pub fn im2col_bytes(g: &Geometry) -> u128 {
 }
 
 /// The suite from `--layers FILE` (or the built-in one), narrowed to `--only a,b,c`.
-pub fn load(path: Option<&str>, only: Option<&str>) -> CliResult<Vec<Layer>> {
+/// The suite is written NCHW; `layout` runs the same layers on NHWC tensors.
+pub fn load(
+    path: Option<&str>,
+    only: Option<&str>,
+    layout: Option<convkit::Layout>,
+) -> CliResult<Vec<Layer>> {
     let layers = match path {
         Some(p) => {
             let text = std::fs::read_to_string(p)
@@ -26,6 +31,13 @@ pub fn load(path: Option<&str>, only: Option<&str>) -> CliResult<Vec<Layer>> {
         None => convkit::suite::builtin(),
     }
     .map_err(|e| CliError::Failed(e.to_string()))?;
+    let layers: Vec<Layer> = layers
+        .into_iter()
+        .map(|mut l| {
+            l.params.layout = layout.unwrap_or_default();
+            l
+        })
+        .collect();
     let Some(only) = only else { return Ok(layers) };
     let wanted: Vec<&str> = only
         .split(',')
