@@ -171,7 +171,7 @@ fn check(case: &Case) -> Result<(), TestCaseError> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: cases(300), ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: cases(1000), ..ProptestConfig::default() })]
     #[test]
     fn small_shapes_match_reference(case in case(1)) {
         check(&case)?;
@@ -179,7 +179,7 @@ proptest! {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: cases(300) / 10, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: cases(1000) / 10, ..ProptestConfig::default() })]
     #[test]
     fn larger_shapes_match_reference(case in case(8)) {
         check(&case)?;
@@ -224,7 +224,7 @@ fn case_1d() -> impl Strategy<Value = Case> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: cases(300) / 3, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: cases(1000) / 3, ..ProptestConfig::default() })]
     #[test]
     fn conv1d_shapes_match_reference(case in case_1d()) {
         check(&case)?;

@@ -302,3 +302,12 @@ fn workspace_too_large_is_out_of_memory() {
     ws.reserve(1024).unwrap();
     assert!(ws.bytes() >= 1024);
 }
+
+#[test]
+fn convolutions_and_plans_are_shared_between_threads() {
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<Conv2d>();
+    send_sync::<Conv1d>();
+    send_sync::<convkit::Plan>();
+    send_sync::<Workspace>();
+}
