@@ -116,7 +116,13 @@ impl Im2colGemm {
         };
         let blk = Blocking::new(self.kern, self.k, NC_MAX, align);
         let t = threads.max(1);
-        let (mchunk, nchunk) = split(m, n, self.k, outer, t, (mr, nr), self.layout);
+        // Chunks start on micro-panel boundaries of the operand packed at create time; the
+        // other may start anywhere, and a half-width edge kernel makes half panels cheap.
+        let gran = match self.layout {
+            Layout::Nchw if self.kern.half.is_some() => (mr, nr / 2),
+            _ => (mr, nr),
+        };
+        let (mchunk, nchunk) = split(m, n, self.k, outer, t, gran, self.layout);
         let (mchunks, nchunks) = (m.div_ceil(mchunk), n.div_ceil(nchunk));
         let items = outer * mchunks * nchunks;
         let workers = t.min(items);
@@ -318,14 +324,14 @@ fn split(
     k: usize,
     outer: usize,
     t: usize,
-    (mr, nr): (usize, usize),
+    (mgran, ngran): (usize, usize),
     layout: Layout,
 ) -> (usize, usize) {
     let mut best = (usize::MAX, usize::MAX, m, n);
-    for mch in 1..=m.div_ceil(mr).min(8 * t) {
-        for nch in 1..=n.div_ceil(nr).min(8 * t) {
-            let mchunk = m.div_ceil(mch).div_ceil(mr) * mr;
-            let nchunk = n.div_ceil(nch).div_ceil(nr) * nr;
+    for mch in 1..=m.div_ceil(mgran).min(8 * t) {
+        for nch in 1..=n.div_ceil(ngran).min(8 * t) {
+            let mchunk = m.div_ceil(mch).div_ceil(mgran) * mgran;
+            let nchunk = n.div_ceil(nch).div_ceil(ngran) * ngran;
             let items = outer * m.div_ceil(mchunk) * n.div_ceil(nchunk);
             let packed = match layout {
                 Layout::Nchw => nchunk,
