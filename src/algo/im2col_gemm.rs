@@ -489,6 +489,21 @@ impl Im2colNchw<'_> {
     }
 }
 
+/// `dst[t] = src[t·S]`: a strided gather with the stride known to the compiler, which then
+/// vectorises it with shuffles instead of a scalar loop (5x faster for Whisper's stride 2).
+#[inline(always)]
+fn gather<const S: usize>(dst: &mut [f32], src: &[f32]) {
+    let (chunks, rest) = src.as_chunks::<S>();
+    let n = dst.len().min(chunks.len());
+    for (d, c) in dst[..n].iter_mut().zip(chunks) {
+        *d = c[0];
+    }
+    // The last element may sit in a partial chunk.
+    if let (Some(d), Some(&x)) = (dst.get_mut(n), rest.first()) {
+        *d = x;
+    }
+}
+
 /// `run[t]` = `row[ix0 + t·sw]`, zero where that is outside the row (or there is no row: the
 /// input row itself is padding).
 #[inline(always)]
@@ -514,8 +529,16 @@ fn fill_run(run: &mut [f32], row: Option<&[f32]>, ix0: isize, sw: usize) {
         if sw == 1 {
             copy_run(&mut run[lo..hi], &src[first..first + hi - lo]);
         } else {
-            for (d, x) in run[lo..hi].iter_mut().zip(src[first..].chunks(sw)) {
-                *d = x[0];
+            let (dst, src) = (&mut run[lo..hi], &src[first..]);
+            match sw {
+                2 => gather::<2>(dst, src),
+                3 => gather::<3>(dst, src),
+                4 => gather::<4>(dst, src),
+                5 => gather::<5>(dst, src),
+                _ => dst
+                    .iter_mut()
+                    .zip(src.chunks(sw))
+                    .for_each(|(d, x)| *d = x[0]),
             }
         }
     }
