@@ -1,18 +1,19 @@
 //! The generic path: im2col + GEMM, for every convolution shape.
 //!
-//! The im2col matrix is never built whole: the GEMM driver asks for one block of it at a time
-//! and the packers below write that block straight into the micro-panel layout the kernel
-//! reads, so scratch memory is one cache block per thread whatever the image size.
+//! The im2col matrix is never built whole: the GEMM driver asks for one block of it at a time,
+//! so scratch memory is one cache block per thread whatever the image size.
 //!
 //! - NCHW: `C[c_out/g x pixels] = W[c_out/g x K] · im2col[K x pixels]` per image and group;
-//!   the weights are the A operand, packed at create time; bias goes by row.
+//!   the weights are the A operand, packed at create time; bias goes by row. The im2col block
+//!   is B, and mostly it is not packed at all: the kernels' row-pointer variants read B rows
+//!   from one shifted copy of the input per (channel, kx) that every ky shares (vertical
+//!   stride 1), from one copy per (channel, stride phase) that taps share along x (1-D), or
+//!   straight from the input (1x1, stride 1). Other shapes pack im2col panels.
 //! - NHWC: `C[pixels x c_out/g] = im2col[pixels x K] · W^T[K x c_out/g]` over the whole batch
 //!   per group, K ordered (ky, kx, ci) so each tap reads a contiguous run of channels; the
 //!   weights are the B operand, packed at create time; bias goes by column.
 //!
-//! A 1x1 stride-1 unpadded convolution needs no im2col at all: its "im2col block" is a plain
-//! copy of input rows (NCHW) or of pixels' channel runs (NHWC), which the packers detect.
-//! Groups are one more dimension of the parallel loop, not separate convolutions.
+//! Groups and images are one more dimension of the parallel loop, not separate convolutions.
 
 use crate::buffer::AlignedBuf;
 use crate::cpu::{self, Isa};
