@@ -12,7 +12,9 @@ use std::sync::Arc;
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Options {
     /// 0: every thread of the current rayon pool (install your own pool to choose);
-    /// 1: the caller's thread only, no pool is touched; n: at most n workers.
+    /// 1: the caller's thread only, no pool is touched; n: at most n workers. Call `run` from
+    /// inside the pool (`pool.install`) so the calling thread is one of the workers: from
+    /// outside, every run waits for sleeping workers to wake up.
     pub threads: usize,
     /// Run at this ISA level instead of the best one (or `CONVKIT_ISA`); never above what the
     /// CPU has (that is `Error::IsaUnavailable`).
