@@ -312,7 +312,7 @@ pub(crate) unsafe fn gemm<A: Panels, B: BlockB>(
                                     c.offset(i as isize * out.rs_c),
                                     nn,
                                 );
-                                r.iter_mut().for_each(|v| *v = out.activation.apply(*v));
+                                out.activation.apply_slice(r);
                             }
                         }
                     }
