@@ -115,7 +115,6 @@ impl Im2colGemm {
             Layout::Nchw if g.sh == 1 => g.kh * g.kw,
             _ => 1,
         };
-        let blk = Blocking::new(self.kern, self.k, NC_MAX, align);
         let t = threads.max(1);
         // Chunks start on micro-panel boundaries of the operand packed at create time; the
         // other may start anywhere, and a half-width edge kernel makes half panels cheap.
@@ -127,10 +126,13 @@ impl Im2colGemm {
         let (mchunks, nchunks) = (m.div_ceil(mchunk), n.div_ceil(nchunk));
         let items = outer * mchunks * nchunks;
         let workers = t.min(items);
-        let blk = Blocking {
-            nc: blk.nc.min(nchunk),
-            ..blk
+        // NCHW: an item's C block (its rows x nc columns) is read and written once per K-block,
+        // so it should stay in L2 beside the B block: at most C_BLOCK_FLOATS of it.
+        let nc = match self.layout {
+            Layout::Nchw => (C_BLOCK_FLOATS / mchunk.max(1)).clamp(4 * nr, NC_MAX),
+            Layout::Nhwc => NC_MAX,
         };
+        let blk = Blocking::new(self.kern, self.k, nc.min(nchunk), align);
         let scratch_per_worker = match self.layout {
             Layout::Nchw => Im2colNchw::scratch(g, blk.kc, blk.nc, nr),
             Layout::Nhwc => blk.a_scratch(),
@@ -311,6 +313,9 @@ impl Im2colGemm {
         }
     }
 }
+
+/// Floats of output one NCHW block may span (256 KiB: a quarter of Zen 4's L2).
+const C_BLOCK_FLOATS: usize = 64 * 1024;
 
 /// Packing one im2col element costs about as much as this many multiply-adds in the kernel
 /// (a strided gather: about one cycle, while the kernel does 16 multiply-adds a cycle).
