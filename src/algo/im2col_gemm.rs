@@ -432,7 +432,12 @@ struct Im2colNchw<'a> {
 /// rows, rounded to whole cache lines, and off any multiple of 4 KiB so that the rows one
 /// micro-panel reads from several copies do not all fall on the same few L1 sets.
 fn copy_len(g: &Geometry, padded: usize) -> usize {
-    let len = (padded + (g.kh - 1) * g.dh * g.ow).div_ceil(16) * 16;
+    off_4k(padded + (g.kh - 1) * g.dh * g.ow)
+}
+
+/// `floats` rounded up to whole cache lines, moved off multiples of 4 KiB.
+fn off_4k(floats: usize) -> usize {
+    let len = floats.div_ceil(16) * 16;
     if len.is_multiple_of(1024) {
         len + 16
     } else {
@@ -471,6 +476,16 @@ impl Im2colNchw<'_> {
             floats = floats.max(channels * g.sw * one_row_copy_len(g, padded));
         }
         floats
+    }
+
+    /// The shifted copies of channels `ci0..ci0+nci` from output pixel `p0`: copy (i, kx) at
+    /// `dst[(i·kw + kx)·lc..]` holds tap (ci0+i, 0, kx) for `lc` pixels; tap (ci, ky, kx) is the
+    /// same copy `ky·dh` output rows further on.
+    fn fill_copies(&self, dst: &mut [f32], ci0: usize, nci: usize, lc: usize, p0: usize) {
+        let g = self.g;
+        for (j, copy) in dst.chunks_exact_mut(lc).take(nci * g.kw).enumerate() {
+            self.fill(copy, ci0 + j / g.kw, 0, j % g.kw, (p0 / g.ow, p0 % g.ow));
+        }
     }
 
     /// `dst[t]` = row (ci, ky, kx) of the im2col matrix at the t-th output pixel from (oy, ox),
@@ -555,12 +570,7 @@ fn fill_run(run: &mut [f32], row: Option<&[f32]>, ix0: isize, sw: usize) {
 /// Floats of one 1-D shifted copy: the block's pixels plus the largest tap shift, rounded to
 /// whole cache lines (and off multiples of 4 KiB, as [`copy_len`]).
 fn one_row_copy_len(g: &Geometry, padded: usize) -> usize {
-    let len = (padded + (g.kw - 1) * g.dw / g.sw).div_ceil(16) * 16;
-    if len.is_multiple_of(1024) {
-        len + 16
-    } else {
-        len
-    }
+    off_4k(padded + (g.kw - 1) * g.dw / g.sw)
 }
 
 impl BlockB for Im2colNchw<'_> {
@@ -586,13 +596,11 @@ impl BlockB for Im2colNchw<'_> {
         match rows {
             Some(rows) if Self::shifted(g, k0, kc) => {
                 let lc = copy_len(g, len.div_ceil(r) * r);
+                self.fill_copies(dst, ci0, nci, lc, p0);
                 for i in 0..nci {
-                    for kx in 0..g.kw {
-                        let copy = &mut dst[(i * g.kw + kx) * lc..][..lc];
-                        self.fill(copy, ci0 + i, 0, kx, (p0 / g.ow, p0 % g.ow));
-                        for ky in 0..g.kh {
-                            rows[i * taps + ky * g.kw + kx] = copy[ky * g.dh * g.ow..].as_ptr();
-                        }
+                    for (tap, row) in rows[i * taps..(i + 1) * taps].iter_mut().enumerate() {
+                        let (ky, kx) = (tap / g.kw, tap % g.kw);
+                        *row = dst[(i * g.kw + kx) * lc + ky * g.dh * g.ow..].as_ptr();
                     }
                 }
                 BBlock::Rows { stride: r }
@@ -655,12 +663,7 @@ impl Panels for Im2colNchw<'_> {
         let pointwise = Self::pointwise(g);
         if Self::shifted(g, k0, kc) {
             let (ci0, nci, lc) = (k0 / taps, kc / taps, copy_len(g, padded));
-            for i in 0..nci {
-                for kx in 0..g.kw {
-                    let copy = &mut copies[(i * g.kw + kx) * lc..][..lc];
-                    self.fill(copy, ci0 + i, 0, kx, (p0 / g.ow, p0 % g.ow));
-                }
-            }
+            self.fill_copies(copies, ci0, nci, lc, p0);
             for (q, panel) in panels.chunks_exact_mut(kc * r).enumerate() {
                 let mut rows = panel.chunks_exact_mut(r);
                 for i in 0..nci {

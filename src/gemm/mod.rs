@@ -241,13 +241,15 @@ pub(crate) unsafe fn gemm<A: Panels, B: BlockB>(
         blk.nc
     };
     let mut rows = [std::ptr::null::<f32>(); KC_MAX];
+    // The row variants (full, narrow); B rows are offered to `block` only when they exist.
+    let row_fns = kern.rows.map(|full| (full, kern.half_rows.unwrap_or(full)));
     for jc in (0..n).step_by(nc) {
         let ncur = nc.min(n - jc);
         let mut pc = 0;
         while pc < k {
             let kc = blk.kc.min(k - pc);
             let last = pc + kc == k;
-            let offer = kern.rows.is_some() && kc <= KC_MAX;
+            let offer = row_fns.is_some() && kc <= KC_MAX;
             let b_block = b.block(jc, ncur, pc, kc, nr, b_buf, offer.then_some(&mut rows[..]));
             for ic in (0..m).step_by(blk.mc) {
                 let mcur = blk.mc.min(m - ic);
@@ -295,13 +297,10 @@ pub(crate) unsafe fn gemm<A: Panels, B: BlockB>(
                                 func(kc, a_panel, b_panel, c, out.rs_c, mm, nn, &ep);
                             }
                             BBlock::Rows { stride } => {
-                                let func = match (kern.half_rows, kern.rows) {
-                                    (Some(half), _) if narrow => half,
-                                    (_, Some(full)) => full,
-                                    // `block` gives rows only when offered, and it is offered
-                                    // only when the kernel has a row variant.
-                                    _ => continue,
+                                let Some((full, half)) = row_fns else {
+                                    unreachable!("B rows are offered only to row kernels")
                                 };
+                                let func = if narrow { half } else { full };
                                 let b_rows = rows.as_ptr();
                                 func(kc, a_panel, b_rows, jp * stride, c, out.rs_c, mm, nn, &ep);
                             }
