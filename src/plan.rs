@@ -1,5 +1,6 @@
 //! `Plan`: a convolution with its input size fixed; `run` checks lengths and runs.
 
+use crate::algo::depthwise::{Depthwise, DwPlan};
 use crate::algo::im2col_gemm::GemmPlan;
 use crate::algo::Algorithm;
 use crate::conv::{ConvInner, Packed};
@@ -9,6 +10,7 @@ use std::sync::Arc;
 
 pub(crate) enum AlgoPlan {
     Im2colGemm(GemmPlan),
+    Depthwise(DwPlan),
 }
 
 /// A convolution planned for one input size. Running it allocates nothing once the
@@ -57,6 +59,7 @@ impl Plan {
     pub fn workspace_bytes(&self) -> usize {
         4 * match &*self.algo {
             AlgoPlan::Im2colGemm(p) => p.workspace_floats(),
+            AlgoPlan::Depthwise(_) => 0,
         }
     }
 
@@ -67,9 +70,12 @@ impl Plan {
 
     /// The algorithm and the kernel that runs, e.g. `im2col_gemm/gemm_f32_6x16_avx2`.
     pub fn kernel_name(&self) -> String {
-        match &self.conv.packed {
-            Packed::Im2colGemm(a) => format!("{}/{}", self.conv.algorithm, a.kernel_name()),
-        }
+        let kernel = match (&self.conv.packed, &*self.algo) {
+            (Packed::Depthwise(_), AlgoPlan::Depthwise(p)) => Depthwise::kernel_name(p),
+            (Packed::Im2colGemm(a), _) => a.kernel_name(),
+            (Packed::Depthwise(_), _) => unreachable!("a depthwise convolution plans a DwPlan"),
+        };
+        format!("{}/{}", self.conv.algorithm, kernel)
     }
 
     /// Direct-convolution flops (2 per multiply-add), the convention of GFLOP/s figures.
@@ -130,6 +136,15 @@ impl Plan {
                 c.params.activation,
                 scratch,
             ),
+            (Packed::Depthwise(a), AlgoPlan::Depthwise(p)) => a.run(
+                p,
+                &self.geometry,
+                input,
+                residual,
+                output,
+                c.params.activation,
+            ),
+            _ => unreachable!("a plan is made by its convolution's algorithm"),
         }
         Ok(())
     }

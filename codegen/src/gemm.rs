@@ -7,69 +7,14 @@
 //! residual, clamp). Partial tiles at the edges of C go through a stack tile and
 //! `crate::gemm::store_edge`, so the kernel never touches memory outside `m` x `n`.
 
-use crate::{registry_entry, GemmSpec, Isa};
-use proc_macro2::{Literal, TokenStream};
+use crate::simd::Simd;
+use crate::{lit, registry_entry, GemmSpec, Isa};
+use proc_macro2::TokenStream;
 use quote::{format_ident, quote};
 
-/// How one SIMD ISA spells the handful of operations a GEMM kernel needs.
-struct Simd {
-    lanes: usize,
-    arch: TokenStream,
-    feature: &'static str,
-    zero: TokenStream,
-    load: TokenStream,
-    store: TokenStream,
-    splat: TokenStream,
-    add: TokenStream,
-    min: TokenStream,
-    max: TokenStream,
-    /// `fma(acc, a, b)` = acc + a*b, whatever the argument order of the intrinsic.
-    fma: fn(TokenStream, TokenStream, TokenStream) -> TokenStream,
-}
-
+/// The SIMD spelling of `isa`; None for scalar, whose GEMM kernel is plain loops.
 fn simd(isa: Isa) -> Option<Simd> {
-    match isa {
-        Isa::Scalar => None,
-        Isa::Avx2 => Some(Simd {
-            lanes: 8,
-            arch: quote!(core::arch::x86_64),
-            feature: "avx2,fma",
-            zero: quote!(_mm256_setzero_ps()),
-            load: quote!(_mm256_loadu_ps),
-            store: quote!(_mm256_storeu_ps),
-            splat: quote!(_mm256_set1_ps),
-            add: quote!(_mm256_add_ps),
-            min: quote!(_mm256_min_ps),
-            max: quote!(_mm256_max_ps),
-            fma: |acc, a, b| quote!(_mm256_fmadd_ps(#a, #b, #acc)),
-        }),
-        Isa::Avx512 => Some(Simd {
-            lanes: 16,
-            arch: quote!(core::arch::x86_64),
-            feature: "avx512f",
-            zero: quote!(_mm512_setzero_ps()),
-            load: quote!(_mm512_loadu_ps),
-            store: quote!(_mm512_storeu_ps),
-            splat: quote!(_mm512_set1_ps),
-            add: quote!(_mm512_add_ps),
-            min: quote!(_mm512_min_ps),
-            max: quote!(_mm512_max_ps),
-            fma: |acc, a, b| quote!(_mm512_fmadd_ps(#a, #b, #acc)),
-        }),
-        Isa::Neon => Some(Simd {
-            lanes: 4,
-            arch: quote!(core::arch::aarch64),
-            feature: "neon",
-            zero: quote!(vdupq_n_f32(0.0)),
-            load: quote!(vld1q_f32),
-            store: quote!(vst1q_f32),
-            splat: quote!(vdupq_n_f32),
-            add: quote!(vaddq_f32),
-            min: quote!(vminq_f32),
-            max: quote!(vmaxq_f32),
-            fma: |acc, a, b| quote!(vfmaq_f32(#acc, #a, #b)),
-        }),
-    }
+    (isa != Isa::Scalar).then(|| crate::simd::simd(isa))
 }
 
 /// All GEMM kernels of the table and their registry.
@@ -106,11 +51,6 @@ pub fn emit_all(specs: &[GemmSpec]) -> TokenStream {
         /// Every f32 GEMM microkernel compiled for this target, from the generator's table.
         pub static GEMM_F32_KERNELS: &[GemmKernel] = &[#(#entries)*];
     }
-}
-
-/// An integer literal without a type suffix, so the generated code reads like hand-written code.
-fn lit(x: usize) -> Literal {
-    Literal::usize_unsuffixed(x)
 }
 
 /// Columns of the half-width edge kernel, where the ISA has one: a last micro-panel with at
@@ -190,8 +130,7 @@ fn emit_simd(spec: &GemmSpec, v: &Simd, cols: usize, name: &str, rows: bool) -> 
     let nv = cols / lanes;
     let name = format_ident!("{}", name);
     let doc = doc(spec, cols);
-    let cfg = spec.isa.cfg();
-    let (arch, feature) = (&v.arch, v.feature);
+    let (attrs, uses) = (v.attrs(), v.uses());
     let (zero, load, store, splat, add, min, max) =
         (&v.zero, &v.load, &v.store, &v.splat, &v.add, &v.min, &v.max);
 
@@ -289,8 +228,7 @@ fn emit_simd(spec: &GemmSpec, v: &Simd, cols: usize, name: &str, rows: bool) -> 
 
     quote! {
         #[doc = #doc]
-        #cfg
-        #[target_feature(enable = #feature)]
+        #attrs
         #[allow(clippy::too_many_arguments)]
         pub unsafe fn #name(
             kc: usize,
@@ -302,7 +240,7 @@ fn emit_simd(spec: &GemmSpec, v: &Simd, cols: usize, name: &str, rows: bool) -> 
             n: usize,
             ep: &GemmEpilogue,
         ) {
-            use #arch::*;
+            #uses
             #(#decls)*
             #b_loop
             if m == #mr && n == #cols {

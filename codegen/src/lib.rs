@@ -1,15 +1,17 @@
 //! convkit's build-time kernel generator.
 //!
-//! One table ([`GEMM_F32`]) says which microkernels exist for which ISA; one emitter per
-//! kernel family turns a row of the table into readable Rust (`core::arch` intrinsics inside
+//! Tables ([`GEMM_F32`], [`dw_f32`]) say which kernels exist for which ISA; one emitter per
+//! kernel family turns a row of a table into readable Rust (`core::arch` intrinsics inside
 //! `#[target_feature]` functions), built as token trees and formatted with prettyplease.
 //! `build.rs` writes the result into `OUT_DIR`; `cargo run -p codegen -- --dump DIR` writes
 //! it anywhere for reading.
 
-use proc_macro2::{Ident, Span, TokenStream};
+use proc_macro2::{Ident, Literal, Span, TokenStream};
 use quote::{format_ident, quote};
 
+mod depthwise;
 mod gemm;
+mod simd;
 
 /// An instruction-set level a kernel is generated for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -21,6 +23,8 @@ pub enum Isa {
 }
 
 impl Isa {
+    pub const ALL: [Isa; 4] = [Isa::Scalar, Isa::Avx2, Isa::Avx512, Isa::Neon];
+
     /// The suffix of kernel names and the variant name in `convkit::Isa`.
     pub fn suffix(self) -> &'static str {
         match self {
@@ -96,6 +100,70 @@ pub const GEMM_F32: &[GemmSpec] = &[
     },
 ];
 
+/// The tensor layout a depthwise kernel works in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DwLayout {
+    Nchw,
+    Nhwc,
+}
+
+impl DwLayout {
+    fn suffix(self) -> &'static str {
+        match self {
+            DwLayout::Nchw => "nchw",
+            DwLayout::Nhwc => "nhwc",
+        }
+    }
+}
+
+/// One f32 depthwise kernel: a fixed square `(kernel, stride)` with dilation 1, unrolled, or
+/// (`shape: None`) the generic kernel that takes any kernel, stride and dilation.
+#[derive(Clone, Copy, Debug)]
+pub struct DwSpec {
+    pub isa: Isa,
+    pub layout: DwLayout,
+    pub shape: Option<(usize, usize)>,
+}
+
+impl DwSpec {
+    pub fn name(&self) -> String {
+        let shape = match self.shape {
+            Some((k, s)) => format!("k{k}s{s}"),
+            None => "generic".into(),
+        };
+        format!(
+            "dw_f32_{shape}_{}_{}",
+            self.layout.suffix(),
+            self.isa.suffix()
+        )
+    }
+}
+
+/// The depthwise shapes that get an unrolled kernel: the 3x3, 5x5 and 7x7 of MobileNet,
+/// EfficientNet and ConvNeXt, at strides 1 and 2. Everything else runs the generic kernel.
+pub const DW_SHAPES: &[(usize, usize)] = &[(3, 1), (3, 2), (5, 1), (5, 2), (7, 1), (7, 2)];
+
+/// The f32 depthwise kernels: every shape of [`DW_SHAPES`] and the generic kernel, in both
+/// layouts, for every ISA.
+pub fn dw_f32() -> Vec<DwSpec> {
+    let shapes = DW_SHAPES.iter().map(|&s| Some(s)).chain([None]);
+    let shapes: Vec<Option<(usize, usize)>> = shapes.collect();
+    Isa::ALL
+        .into_iter()
+        .flat_map(|isa| {
+            let shapes = shapes.clone();
+            [DwLayout::Nchw, DwLayout::Nhwc]
+                .into_iter()
+                .flat_map(move |layout| {
+                    shapes
+                        .clone()
+                        .into_iter()
+                        .map(move |shape| DwSpec { isa, layout, shape })
+                })
+        })
+        .collect()
+}
+
 /// A generated source file: its name and its formatted text.
 pub struct Generated {
     pub file: &'static str,
@@ -104,10 +172,16 @@ pub struct Generated {
 
 /// Every generated file.
 pub fn generate() -> Vec<Generated> {
-    vec![Generated {
-        file: "gemm_f32.rs",
-        source: format_file(gemm::emit_all(GEMM_F32)),
-    }]
+    vec![
+        Generated {
+            file: "gemm_f32.rs",
+            source: format_file(gemm::emit_all(GEMM_F32)),
+        },
+        Generated {
+            file: "dw_f32.rs",
+            source: format_file(depthwise::emit_all(&dw_f32())),
+        },
+    ]
 }
 
 fn format_file(tokens: TokenStream) -> String {
@@ -116,17 +190,35 @@ fn format_file(tokens: TokenStream) -> String {
     format!("{header}{}", prettyplease::unparse(&file))
 }
 
-/// The registry entry a generated kernel gets: `src/cpu/` turns these into its dispatch table.
+/// An integer literal without a type suffix, so the generated code reads like hand-written code.
+fn lit(x: usize) -> Literal {
+    Literal::usize_unsuffixed(x)
+}
+
+/// The registry entry of a GEMM kernel.
 fn registry_entry(name: &str, isa: Isa, fields: TokenStream) -> TokenStream {
-    let cfg = isa.cfg();
     let ident = format_ident!("{}", name);
+    registry_entry_with("GemmKernel", name, isa, quote!(#ident), fields)
+}
+
+/// The registry entry a generated kernel gets (a `ty` struct literal): `src/cpu/` turns these
+/// into its dispatch table.
+fn registry_entry_with(
+    ty: &str,
+    name: &str,
+    isa: Isa,
+    func: TokenStream,
+    fields: TokenStream,
+) -> TokenStream {
+    let cfg = isa.cfg();
+    let ty = format_ident!("{}", ty);
     let variant = isa.variant();
     quote! {
         #cfg
-        GemmKernel {
+        #ty {
             name: #name,
             isa: crate::cpu::Isa::#variant,
-            func: #ident,
+            func: #func,
             #fields
         },
     }

@@ -15,6 +15,7 @@
 //!
 //! Groups and images are one more dimension of the parallel loop, not separate convolutions.
 
+use super::SendPtr;
 use crate::buffer::AlignedBuf;
 use crate::cpu::{self, Isa};
 use crate::gemm::pack::{prepack, prepacked_len, Prepacked};
@@ -364,14 +365,6 @@ struct Job<'a> {
     bias: Option<&'a [f32]>,
     activation: Activation,
 }
-
-/// The output pointer, shared by the workers that write disjoint blocks of it.
-#[derive(Clone, Copy)]
-struct SendPtr(*mut f32);
-// SAFETY: workers only write disjoint blocks (see `run`), so sharing the pointer is sound.
-unsafe impl Send for SendPtr {}
-// SAFETY: as above.
-unsafe impl Sync for SendPtr {}
 
 /// Copies `src` into `dst` (same length). Runs are short (one micro-panel row), where a
 /// `memcpy` call costs more than the copy: fixed-size copies become straight vector moves, and

@@ -1,7 +1,10 @@
 //! One file per algorithm. Each packs its weights at create time, plans a fixed input size,
 //! and runs without allocating.
 
+pub mod depthwise;
 pub(crate) mod im2col_gemm;
+
+use rayon::prelude::*;
 
 /// The algorithms convkit can run a convolution with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -10,15 +13,27 @@ pub enum Algorithm {
     /// im2col (a block at a time, packed straight into GEMM panels) + the blocked GEMM. Takes
     /// every shape.
     Im2colGemm,
+    /// Depthwise (groups == input channels): the generated kernel of the convolution's
+    /// kernel size and stride, or the generic depthwise kernel where none is generated.
+    Depthwise,
+    /// Depthwise with the generic kernel (any kernel, stride, dilation), even where an
+    /// unrolled one exists: for tests and benchmarks.
+    DepthwiseGeneric,
 }
 
 impl Algorithm {
     /// Every algorithm, in the order `convkit check` tries them.
-    pub const ALL: [Algorithm; 1] = [Algorithm::Im2colGemm];
+    pub const ALL: [Algorithm; 3] = [
+        Algorithm::Im2colGemm,
+        Algorithm::Depthwise,
+        Algorithm::DepthwiseGeneric,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
             Algorithm::Im2colGemm => "im2col_gemm",
+            Algorithm::Depthwise => "depthwise",
+            Algorithm::DepthwiseGeneric => "depthwise_generic",
         }
     }
 }
@@ -39,5 +54,35 @@ impl std::str::FromStr for Algorithm {
                 what: "algorithm name",
                 detail: format!("{s:?} is not one of {:?}", Algorithm::ALL.map(|a| a.name())),
             })
+    }
+}
+
+/// The output pointer, shared by the workers that write disjoint parts of it.
+#[derive(Clone, Copy)]
+pub(crate) struct SendPtr(pub *mut f32);
+// SAFETY: every user has its workers write disjoint parts only, so sharing the pointer is
+// sound.
+unsafe impl Send for SendPtr {}
+// SAFETY: as above.
+unsafe impl Sync for SendPtr {}
+
+impl SendPtr {
+    /// The pointer (a method, so that closures capture the whole `SendPtr`, not the field).
+    pub(crate) fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
+/// Runs `items` numbered work items on `workers` workers, each a contiguous range of them: on
+/// the caller's thread alone for one worker, else on the current rayon pool.
+pub(crate) fn for_each_worker(workers: usize, items: usize, item: impl Fn(usize) + Sync) {
+    let range = |w: usize| w * items / workers..(w + 1) * items / workers;
+    if workers <= 1 {
+        (0..items).for_each(&item);
+    } else {
+        (0..workers)
+            .into_par_iter()
+            .with_max_len(1)
+            .for_each(|w| range(w).for_each(&item));
     }
 }

@@ -13,6 +13,12 @@ pub(crate) mod generated {
     include!(concat!(env!("OUT_DIR"), "/gemm_f32.rs"));
 }
 
+/// The generated depthwise kernels, one module per ISA.
+#[allow(clippy::all)]
+pub(crate) mod generated_dw {
+    include!(concat!(env!("OUT_DIR"), "/dw_f32.rs"));
+}
+
 /// An instruction-set level. Levels of one architecture are ordered: a CPU that has one has
 /// every lower one.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -138,10 +144,57 @@ pub(crate) fn gemm_f32(isa: Isa) -> &'static crate::gemm::GemmKernel {
         .expect("the scalar GEMM kernel is always generated")
 }
 
+/// The generated depthwise kernels compiled for this target.
+pub(crate) fn dw_f32() -> &'static [crate::algo::depthwise::DwKernel] {
+    generated_dw::DW_F32_KERNELS
+}
+
+/// A kernel family of the registry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Family {
+    /// GEMM microkernels (the im2col+GEMM path).
+    Gemm,
+    /// Depthwise kernels.
+    Depthwise,
+}
+
+/// One generated kernel, as the registry describes it: what tests and benchmarks iterate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KernelInfo {
+    pub name: &'static str,
+    pub isa: Isa,
+    pub family: Family,
+    /// The layout the kernel works in, where it has one.
+    pub layout: Option<crate::Layout>,
+    /// `Some((kernel, stride))` for a kernel unrolled for one square kernel and stride
+    /// (dilation 1); `None` for one that takes any.
+    pub fixed: Option<(usize, usize)>,
+}
+
+/// Every generated kernel compiled for this target (whether or not this CPU can run it).
+pub fn registry() -> Vec<KernelInfo> {
+    let gemm = generated::GEMM_F32_KERNELS.iter().map(|k| KernelInfo {
+        name: k.name,
+        isa: k.isa,
+        family: Family::Gemm,
+        layout: None,
+        fixed: None,
+    });
+    let dw = dw_f32().iter().map(|k| KernelInfo {
+        name: k.name,
+        isa: k.isa,
+        family: Family::Depthwise,
+        layout: Some(k.layout),
+        fixed: k.fixed,
+    });
+    gemm.chain(dw).collect()
+}
+
 /// Names of the generated kernels available at each ISA level, for `convkit info`.
 pub fn kernel_names(isa: Isa) -> Vec<&'static str> {
-    generated::GEMM_F32_KERNELS
-        .iter()
+    registry()
+        .into_iter()
         .filter(|k| k.isa == isa)
         .map(|k| k.name)
         .collect()

@@ -1,0 +1,222 @@
+//! How each ISA spells the vector operations the emitters need. The scalar ISA is a vector of
+//! one lane (`f32` itself), so an emitter written against [`Simd`] yields its scalar kernel too.
+
+use crate::Isa;
+use proc_macro2::TokenStream;
+use quote::quote;
+
+/// One ISA's vector type and operations, as tokens an emitter splices into its kernels.
+pub struct Simd {
+    pub isa: Isa,
+    pub lanes: usize,
+    /// The `core::arch` module to import (empty for scalar).
+    pub arch: TokenStream,
+    /// The `target_feature` a kernel needs (None for scalar).
+    pub feature: Option<&'static str>,
+    pub ty: TokenStream,
+    pub zero: TokenStream,
+    pub load: TokenStream,
+    pub store: TokenStream,
+    pub splat: TokenStream,
+    pub add: TokenStream,
+    pub min: TokenStream,
+    pub max: TokenStream,
+    /// `fma(acc, a, b)` = acc + a*b, whatever the argument order of the intrinsic.
+    pub fma: fn(TokenStream, TokenStream, TokenStream) -> TokenStream,
+}
+
+impl Simd {
+    /// `#[cfg]` and `#[target_feature]` of a kernel of this ISA.
+    pub fn attrs(&self) -> TokenStream {
+        let cfg = self.isa.cfg();
+        match self.feature {
+            Some(f) => quote!(#cfg #[target_feature(enable = #f)]),
+            None => cfg,
+        }
+    }
+
+    /// The `use` that brings the intrinsics into scope.
+    pub fn uses(&self) -> TokenStream {
+        let arch = &self.arch;
+        if arch.is_empty() {
+            quote!()
+        } else {
+            quote!(use #arch::*;)
+        }
+    }
+}
+
+pub fn simd(isa: Isa) -> Simd {
+    match isa {
+        Isa::Scalar => Simd {
+            isa,
+            lanes: 1,
+            arch: quote!(),
+            feature: None,
+            ty: quote!(f32),
+            zero: quote!(0.0f32),
+            load: quote!(core::ptr::read),
+            store: quote!(core::ptr::write),
+            splat: quote!(core::convert::identity),
+            add: quote!(core::ops::Add::add),
+            min: quote!(f32::min),
+            max: quote!(f32::max),
+            // Not `mul_add`: without FMA hardware that is a libm call.
+            fma: |acc, a, b| quote!(#acc + #a * #b),
+        },
+        Isa::Avx2 => Simd {
+            isa,
+            lanes: 8,
+            arch: quote!(core::arch::x86_64),
+            feature: Some("avx2,fma"),
+            ty: quote!(__m256),
+            zero: quote!(_mm256_setzero_ps()),
+            load: quote!(_mm256_loadu_ps),
+            store: quote!(_mm256_storeu_ps),
+            splat: quote!(_mm256_set1_ps),
+            add: quote!(_mm256_add_ps),
+            min: quote!(_mm256_min_ps),
+            max: quote!(_mm256_max_ps),
+            fma: |acc, a, b| quote!(_mm256_fmadd_ps(#a, #b, #acc)),
+        },
+        Isa::Avx512 => Simd {
+            isa,
+            lanes: 16,
+            arch: quote!(core::arch::x86_64),
+            feature: Some("avx512f"),
+            ty: quote!(__m512),
+            zero: quote!(_mm512_setzero_ps()),
+            load: quote!(_mm512_loadu_ps),
+            store: quote!(_mm512_storeu_ps),
+            splat: quote!(_mm512_set1_ps),
+            add: quote!(_mm512_add_ps),
+            min: quote!(_mm512_min_ps),
+            max: quote!(_mm512_max_ps),
+            fma: |acc, a, b| quote!(_mm512_fmadd_ps(#a, #b, #acc)),
+        },
+        Isa::Neon => Simd {
+            isa,
+            lanes: 4,
+            arch: quote!(core::arch::aarch64),
+            feature: Some("neon"),
+            ty: quote!(float32x4_t),
+            zero: quote!(vdupq_n_f32(0.0)),
+            load: quote!(vld1q_f32),
+            store: quote!(vst1q_f32),
+            splat: quote!(vdupq_n_f32),
+            add: quote!(vaddq_f32),
+            min: quote!(vminq_f32),
+            max: quote!(vmaxq_f32),
+            fma: |acc, a, b| quote!(vfmaq_f32(#acc, #a, #b)),
+        },
+    }
+}
+
+/// Helpers every kernel module of an ISA shares: loads and stores of part of a vector (for
+/// the edges of an image, where whole vectors would read padding or write past a row), and the
+/// even lanes of two vectors (stride-2 kernels). They go inside the ISA's module, after its
+/// `use`; each is inlined into the kernels, which have the same target features.
+pub fn helpers(v: &Simd) -> TokenStream {
+    let attrs = v.attrs();
+    let ty = &v.ty;
+    let lanes = proc_macro2::Literal::isize_unsuffixed(v.lanes as isize);
+    let (load_part, store_part, evens) = match v.isa {
+        Isa::Scalar => (
+            quote!(if lo <= 0 && 0 < hi { *p } else { 0.0 }),
+            quote!(if n > 0 {
+                *p = x;
+            }),
+            quote!({
+                let _ = b;
+                a
+            }),
+        ),
+        Isa::Avx512 => (
+            quote! {
+                let (lo, hi) = (lo.clamp(0, 16) as u32, hi.clamp(0, 16) as u32);
+                let m = ((1u32 << hi) - 1) & !((1u32 << lo) - 1);
+                // SAFETY (caller): lanes outside the mask are not read (fault suppression).
+                _mm512_maskz_loadu_ps(m as __mmask16, p)
+            },
+            quote! {
+                let m = ((1u32 << n.min(16)) - 1) as __mmask16;
+                _mm512_mask_storeu_ps(p, m, x)
+            },
+            quote!(_mm512_permutex2var_ps(
+                a,
+                _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30),
+                b
+            )),
+        ),
+        Isa::Avx2 => (
+            quote! {
+                let iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+                let (lo, hi) = (lo.clamp(0, 8) as i32, hi.clamp(0, 8) as i32);
+                let m = _mm256_and_si256(
+                    _mm256_cmpgt_epi32(iota, _mm256_set1_epi32(lo - 1)),
+                    _mm256_cmpgt_epi32(_mm256_set1_epi32(hi), iota),
+                );
+                // Lanes outside the mask are not read (fault suppression).
+                _mm256_maskload_ps(p, m)
+            },
+            quote! {
+                let iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+                let m = _mm256_cmpgt_epi32(_mm256_set1_epi32(n.min(8) as i32), iota);
+                _mm256_maskstore_ps(p, m, x)
+            },
+            quote!(_mm256_castpd_ps(_mm256_permute4x64_pd::<0xD8>(
+                _mm256_castps_pd(_mm256_shuffle_ps::<0x88>(a, b))
+            ))),
+        ),
+        Isa::Neon => (
+            quote! {
+                let mut t = [0.0f32; 4];
+                for (i, t) in t.iter_mut().enumerate() {
+                    let i = i as isize;
+                    if lo <= i && i < hi {
+                        *t = *p.wrapping_offset(i);
+                    }
+                }
+                vld1q_f32(t.as_ptr())
+            },
+            quote! {
+                let mut t = [0.0f32; 4];
+                vst1q_f32(t.as_mut_ptr(), x);
+                core::ptr::copy_nonoverlapping(t.as_ptr(), p, n.min(4));
+            },
+            quote!(vuzp1q_f32(a, b)),
+        ),
+    };
+    quote! {
+        /// The lanes `lo..hi` of the vector at `p`, zero elsewhere; only those lanes are read,
+        /// so `p` may point partly outside the buffer.
+        ///
+        /// # Safety
+        /// `p.wrapping_offset(i)` must be readable for every lane `i` in `lo..hi`.
+        #[inline]
+        #attrs
+        unsafe fn load_part(p: *const f32, lo: isize, hi: isize) -> #ty {
+            #load_part
+        }
+
+        /// Stores the first `n` lanes of `x` at `p`.
+        ///
+        /// # Safety
+        /// `p` must be writable for `min(n, lanes)` floats.
+        #[inline]
+        #attrs
+        unsafe fn store_part(p: *mut f32, x: #ty, n: usize) {
+            #store_part
+        }
+
+        /// The even lanes of the `2 x lanes` floats `a ++ b`: a stride-2 load.
+        #[inline]
+        #attrs
+        unsafe fn evens(a: #ty, b: #ty) -> #ty {
+            #evens
+        }
+
+        /// Lanes of this ISA's vector.
+        pub const LANES: isize = #lanes;
+    }
+}
