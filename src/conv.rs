@@ -4,7 +4,7 @@
 use crate::algo::depthwise::Depthwise;
 use crate::algo::im2col_gemm::Im2colGemm;
 use crate::algo::Algorithm;
-use crate::cpu::Isa;
+use crate::cpu::{Family, Isa};
 use crate::plan::{AlgoPlan, Plan};
 use crate::{ConvParams, Error, Result};
 use std::sync::Arc;
@@ -22,6 +22,10 @@ pub struct Options {
     pub isa: Option<Isa>,
     /// Run this algorithm instead of the one convkit would choose.
     pub algorithm: Option<Algorithm>,
+    /// Run this generated kernel (a name from [`cpu::registry`](crate::cpu::registry)), at its
+    /// ISA level, wherever the rules would use another: how tests and benchmarks reach every
+    /// kernel. An error if it does not take the convolution.
+    pub kernel: Option<&'static str>,
 }
 
 impl Options {
@@ -82,11 +86,35 @@ impl Conv2d {
                 });
             }
         }
-        let isa = match options.isa {
-            Some(isa) => Isa::check(isa)?,
-            None => Isa::default_level()?,
+        let forced = options.kernel.map(crate::cpu::find_kernel).transpose()?;
+        let isa = match (options.isa, forced) {
+            (Some(isa), Some(k)) if isa != k.isa => {
+                return Err(Error::InvalidParameter {
+                    what: "kernel and ISA",
+                    detail: format!("kernel {} is {}, not {isa}", k.name, k.isa),
+                })
+            }
+            (_, Some(k)) => Isa::check(k.isa)?,
+            (Some(isa), None) => Isa::check(isa)?,
+            (None, None) => Isa::default_level()?,
         };
-        let algorithm = options.algorithm.unwrap_or_else(|| choose(&params));
+        let algorithm = match (forced.map(|k| k.family), options.algorithm) {
+            (Some(Family::Gemm), None | Some(Algorithm::Im2colGemm)) => Algorithm::Im2colGemm,
+            (Some(Family::Depthwise), None | Some(Algorithm::Depthwise)) => Algorithm::Depthwise,
+            (Some(family), Some(a)) => {
+                return Err(Error::InvalidParameter {
+                    what: "kernel and algorithm",
+                    detail: format!("a {family:?} kernel does not run algorithm {a}"),
+                })
+            }
+            (None, a) => a.unwrap_or_else(|| choose(&params)),
+        };
+        let dw_kernel = match forced {
+            Some(k) if k.family == Family::Depthwise => {
+                crate::cpu::dw_f32().iter().find(|d| d.name == k.name)
+            }
+            _ => None,
+        };
         let packed = match algorithm {
             Algorithm::Im2colGemm => Packed::Im2colGemm(Im2colGemm::new(&params, weights, isa)?),
             Algorithm::Depthwise | Algorithm::DepthwiseGeneric => {
@@ -96,6 +124,7 @@ impl Conv2d {
                     bias,
                     isa,
                     algorithm == Algorithm::DepthwiseGeneric,
+                    dw_kernel,
                 )?)
             }
         };

@@ -59,7 +59,7 @@ impl Plan {
     pub fn workspace_bytes(&self) -> usize {
         4 * match &*self.algo {
             AlgoPlan::Im2colGemm(p) => p.workspace_floats(),
-            AlgoPlan::Depthwise(_) => 0,
+            AlgoPlan::Depthwise(p) => p.workspace_floats(),
         }
     }
 
@@ -72,7 +72,7 @@ impl Plan {
     pub fn kernel_name(&self) -> String {
         let kernel = match (&self.conv.packed, &*self.algo) {
             (Packed::Depthwise(_), AlgoPlan::Depthwise(p)) => Depthwise::kernel_name(p),
-            (Packed::Im2colGemm(a), _) => a.kernel_name(),
+            (Packed::Im2colGemm(a), _) => a.kernel_name().to_string(),
             (Packed::Depthwise(_), _) => unreachable!("a depthwise convolution plans a DwPlan"),
         };
         format!("{}/{}", self.conv.algorithm, kernel)
@@ -143,6 +143,7 @@ impl Plan {
                 residual,
                 output,
                 c.params.activation,
+                scratch,
             ),
             _ => unreachable!("a plan is made by its convolution's algorithm"),
         }

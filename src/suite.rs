@@ -31,6 +31,20 @@ impl Layer {
     pub fn geometry(&self) -> Result<crate::Geometry> {
         self.params.geometry(self.batch, self.h, self.w)
     }
+
+    /// The kernel family the layer belongs to, for per-family benchmarks.
+    pub fn family(&self) -> &'static str {
+        let p = &self.params;
+        if p.groups == p.in_channels && p.groups > 1 {
+            "depthwise"
+        } else if p.groups > 1 {
+            "grouped"
+        } else if p.in_channels <= 4 {
+            "stem"
+        } else {
+            "dense"
+        }
+    }
 }
 
 fn invalid(detail: String) -> Error {

@@ -12,14 +12,21 @@
 //! `(kernel, stride)` gets a fully unrolled kernel; the generic kernel takes any kernel,
 //! stride and dilation at run time and is still vectorised.
 
-use crate::simd::{helpers, simd, Simd};
+use crate::simd::{helpers, simd, simd_ymm, Simd};
 use crate::{lit, registry_entry_with, DwLayout, DwSpec, Isa};
 use proc_macro2::{Ident, TokenStream};
 use quote::{format_ident, quote};
 
 /// Output rows an NCHW kernel keeps in registers: each input row loaded feeds up to this
-/// many output rows.
-const ROWS: usize = 4;
+/// many output rows. The 8-lane AVX-512 kernels, for images at most 8 wide, keep 8 (32
+/// registers hold them), so a whole 7x7 plane is one block.
+fn rows(spec: &DwSpec) -> usize {
+    if spec.ymm {
+        8
+    } else {
+        4
+    }
+}
 
 /// Output pixels an NHWC kernel keeps in registers per channel vector (registers allowing).
 fn pixels(isa: Isa) -> usize {
@@ -29,35 +36,46 @@ fn pixels(isa: Isa) -> usize {
     }
 }
 
-/// All depthwise kernels of the table, one module per ISA, and their registry.
+/// The module a kernel's ISA variant lives in (each has its own helpers).
+fn module(spec: &DwSpec) -> Ident {
+    let ymm = if spec.ymm { "_ymm" } else { "" };
+    format_ident!("{}{ymm}", spec.isa.suffix())
+}
+
+/// All depthwise kernels of the table, one module per ISA variant, and their registry.
 pub fn emit_all(specs: &[DwSpec]) -> TokenStream {
     let mut modules = TokenStream::new();
     for isa in Isa::ALL {
-        let mine: Vec<&DwSpec> = specs.iter().filter(|s| s.isa == isa).collect();
-        if mine.is_empty() {
-            continue;
+        for ymm in [false, true] {
+            let mine: Vec<&DwSpec> = specs
+                .iter()
+                .filter(|s| s.isa == isa && s.ymm == ymm)
+                .collect();
+            let Some(first) = mine.first() else {
+                continue;
+            };
+            let v = if ymm { simd_ymm() } else { simd(isa) };
+            let module = module(first);
+            let cfg = isa.cfg();
+            let uses = v.uses();
+            let helpers = helpers(&v);
+            let strided = strided_helpers(&v);
+            let kernels = mine.iter().map(|s| match s.layout {
+                DwLayout::Nchw => emit_nchw(&v, s),
+                DwLayout::Nhwc => emit_nhwc(&v, s),
+            });
+            modules.extend(quote! {
+                #cfg
+                pub mod #module {
+                    #![allow(unused_unsafe, clippy::all)]
+                    use crate::algo::depthwise::DwArgs;
+                    #uses
+                    #helpers
+                    #strided
+                    #(#kernels)*
+                }
+            });
         }
-        let v = simd(isa);
-        let module = format_ident!("{}", isa.suffix());
-        let cfg = isa.cfg();
-        let uses = v.uses();
-        let helpers = helpers(&v);
-        let strided = strided_helpers(&v);
-        let kernels = mine.iter().map(|s| match s.layout {
-            DwLayout::Nchw => emit_nchw(&v, s),
-            DwLayout::Nhwc => emit_nhwc(&v, s),
-        });
-        modules.extend(quote! {
-            #cfg
-            pub mod #module {
-                #![allow(unused_unsafe, clippy::all)]
-                use crate::algo::depthwise::DwArgs;
-                #uses
-                #helpers
-                #strided
-                #(#kernels)*
-            }
-        });
     }
     let entries = specs.iter().map(|s| {
         let layout = match s.layout {
@@ -71,14 +89,19 @@ pub fn emit_all(specs: &[DwSpec]) -> TokenStream {
             }
             None => quote!(None),
         };
-        let module = format_ident!("{}", s.isa.suffix());
+        let module = module(s);
         let path = format_ident!("{}", s.name());
+        let block = lit(match s.layout {
+            DwLayout::Nchw => rows(s),
+            DwLayout::Nhwc => pixels(s.isa),
+        });
+        let ymm = s.ymm;
         registry_entry_with(
             "DwKernel",
             &s.name(),
             s.isa,
             quote!(#module::#path),
-            quote!(layout: #layout, fixed: #fixed, lanes: #module::LANES as usize,),
+            quote!(layout: #layout, fixed: #fixed, lanes: #module::LANES as usize, block: #block, ymm: #ymm,),
         )
     });
     quote! {
@@ -336,9 +359,11 @@ fn emit_nchw(v: &Simd, spec: &DwSpec) -> TokenStream {
                 }
             }
         });
+        // Rows past the band (its last block) are computed but not stored: one loop for
+        // every block keeps the rows' chains of multiply-adds side by side.
         let epis = accs.iter().enumerate().map(|(r, c)| {
-            let r = lit(r);
-            epilogue(
+            let (first, r) = (r == 0, lit(r));
+            let e = epilogue(
                 v,
                 c,
                 quote!(bias),
@@ -346,7 +371,16 @@ fn emit_nchw(v: &Simd, spec: &DwSpec) -> TokenStream {
                     offset: quote!((oy + #r) * a.ow + ox as usize),
                     part: (!inside).then(|| quote!(((ow - ox) as usize).min(#ll))),
                 },
-            )
+            );
+            if first {
+                e
+            } else {
+                quote! {
+                    if #r < rows_left {
+                        #e
+                    }
+                }
+            }
         });
         quote! {
             #(#decls)*
@@ -354,26 +388,9 @@ fn emit_nchw(v: &Simd, spec: &DwSpec) -> TokenStream {
             #(#epis)*
         }
     };
-    let row_loop = |rows: usize| {
-        let (full, edge) = (block(rows, true), block(rows, false));
-        let (rows, s) = (lit(rows), lit(s));
-        quote! {
-            let iy0 = (oy * #s) as isize - pt;
-            let mut ox = 0isize;
-            while ox < ow {
-                let ix0 = ox * #s - pl;
-                if ox + LANES <= ow && ix0 >= 0 && ix0 + #reach <= in_w {
-                    #full
-                } else {
-                    #edge
-                }
-                ox += LANES;
-            }
-            oy += #rows;
-        }
-    };
-    let (many, one) = (row_loop(ROWS), row_loop(1));
-    let rows = lit(ROWS);
+    let rows_n = rows(spec);
+    let (full, edge) = (block(rows_n, true), block(rows_n, false));
+    let (rows, sl) = (lit(rows_n), lit(s));
     quote! {
         #[doc = #doc]
         #attrs
@@ -381,245 +398,213 @@ fn emit_nchw(v: &Simd, spec: &DwSpec) -> TokenStream {
             #head
             #(#weights)*
             let mut oy = a.oy0;
-            while oy + #rows <= a.oy1 {
-                #many
-            }
             while oy < a.oy1 {
-                #one
+                let rows_left = a.oy1 - oy;
+                let iy0 = (oy * #sl) as isize - pt;
+                let mut ox = 0isize;
+                while ox < ow {
+                    let ix0 = ox * #sl - pl;
+                    if ox + LANES <= ow && ix0 >= 0 && ix0 + #reach <= in_w {
+                        #full
+                    } else {
+                        #edge
+                    }
+                    ox += LANES;
+                }
+                oy += #rows;
             }
         }
     }
 }
 
-/// A fixed-shape NHWC kernel, or the generic one, with its one-pixel helpers.
+/// A fixed-shape NHWC kernel, or the generic one.
+///
+/// Output pixels go `pixels` at a time, one vector of channels at a time, each weight vector
+/// loaded once for all of them. A block whose taps all land inside the image runs without a
+/// check; the others (image edges, the last block of a row, the last partial vector of
+/// channels) check each tap column and pixel, and load and store only the channels left.
 fn emit_nhwc(v: &Simd, spec: &DwSpec) -> TokenStream {
     let name = format_ident!("{}", spec.name());
-    let (pixel, pixel_part) = (
-        format_ident!("{}_pixel", spec.name()),
-        format_ident!("{}_pixel_part", spec.name()),
-    );
     let doc = doc(spec);
     let attrs = v.attrs();
     let (zero, splat, load, fma) = (&v.zero, &v.splat, &v.load, v.fma);
     let x = pixels(spec.isa);
     let xl = lit(x);
     let ll = lit(v.lanes);
-
-    // Taps of one output pixel at channel `c`, each column and row checked; `part`: only
-    // `n` channels are left.
-    let one_pixel = |part: bool| {
-        let xload = if part {
-            quote!(load_part(row.add(ix as usize * a.channels), 0, n as isize))
-        } else {
-            quote!(#load(row.add(ix as usize * a.channels)))
-        };
-        let f = fma(quote!(acc), quote!(x), quote!(w));
-        let tap = quote! {
-            let x = #xload;
-            let w = #load(a.weights.add(tap * a.wstride + c));
-            acc = #f;
-        };
-        let acc = format_ident!("acc");
-        let epi = epilogue(
-            v,
-            &acc,
-            quote!(#load(a.bias.add(c))),
-            &Dest {
-                offset: quote!((oy * a.ow + ox as usize) * a.channels + c),
-                part: part.then(|| quote!(n)),
-            },
-        );
-        let taps = match spec.shape {
-            Some((k, s)) => {
-                let (k, s) = (lit(k), lit(s));
+    // Kernel size, stride and dilation: constants for a fixed shape.
+    let (kh, kw, sh, sw, dh, dw) = match spec.shape {
+        Some((k, s)) => {
+            let (k, s) = (lit(k), lit(s));
+            (
+                quote!(#k),
+                quote!(#k),
+                quote!(#s),
+                quote!(#s),
+                quote!(1),
+                quote!(1),
+            )
+        }
+        None => (
+            quote!(a.kh),
+            quote!(a.kw),
+            quote!(a.sh),
+            quote!(a.sw),
+            quote!(a.dh),
+            quote!(a.dw),
+        ),
+    };
+    let accs: Vec<Ident> = (0..x).map(|p| format_ident!("acc{}", p)).collect();
+    // One block of `x` pixels at channel `c`. `inside`: every tap inside the image and every
+    // pixel in the row; else pixel `p` exists only if `p < np`, and tap columns are checked.
+    // `part`: only `n` channels are left.
+    let block = |inside: bool, part: bool| {
+        let decls = accs.iter().map(|c| quote!(let mut #c = #zero;));
+        let fmas = accs.iter().enumerate().map(|(p, c)| {
+            let pl = lit(p);
+            let ptr = quote!(row.offset(ix * cs));
+            let xload = if part {
+                quote!(load_part(#ptr, 0, n as isize))
+            } else {
+                quote!(#load(#ptr))
+            };
+            let f = fma(quote!(#c), xload, quote!(w));
+            if inside {
                 quote! {
-                    let (iy0, ix0) = ((oy * #s) as isize - pt, ox * #s - pl);
-                    for ky in 0..#k {
-                        let iy = iy0 + ky as isize;
-                        if iy < 0 || iy as usize >= a.in_h {
-                            continue;
-                        }
-                        let row = a.input.add(iy as usize * a.in_w * a.channels + c);
-                        for kx in 0..#k {
-                            let ix = ix0 + kx as isize;
-                            if ix < 0 || ix as usize >= a.in_w {
-                                continue;
-                            }
-                            let tap = ky * #k + kx;
-                            #tap
-                        }
+                    let ix = ix0 + (#pl * #sw + kx * #dw) as isize;
+                    #c = #f;
+                }
+            } else {
+                quote! {
+                    let ix = ix0 + (#pl * #sw + kx * #dw) as isize;
+                    if #pl < np && ix >= 0 && ix < in_w {
+                        #c = #f;
                     }
                 }
             }
-            None => quote! {
-                let (iy0, ix0) = (oy as isize * a.sh as isize - pt, ox * a.sw as isize - pl);
-                for ky in 0..a.kh {
-                    let iy = iy0 + (ky * a.dh) as isize;
-                    if iy < 0 || iy as usize >= a.in_h {
-                        continue;
-                    }
-                    let row = a.input.add(iy as usize * a.in_w * a.channels + c);
-                    for kx in 0..a.kw {
-                        let ix = ix0 + (kx * a.dw) as isize;
-                        if ix < 0 || ix as usize >= a.in_w {
-                            continue;
-                        }
-                        let tap = ky * a.kw + kx;
-                        #tap
+        });
+        let epis = accs.iter().enumerate().map(|(p, c)| {
+            let pl = lit(p);
+            let e = epilogue(
+                v,
+                c,
+                quote!(b),
+                &Dest {
+                    offset: quote!((oy * a.ow + ox as usize + #pl) * a.channels + c),
+                    part: part.then(|| quote!(n)),
+                },
+            );
+            if inside {
+                e
+            } else {
+                quote! {
+                    if #pl < np {
+                        #e
                     }
                 }
-            },
-        };
+            }
+        });
         quote! {
-            let (pt, pl) = (a.pad_top as isize, a.pad_left as isize);
-            let (lo, hi) = (#splat(a.min), #splat(a.max));
-            let mut acc = #zero;
-            #taps
-            #epi
+            let b = #load(a.bias.add(c));
+            #(#decls)*
+            for ky in 0..#kh {
+                let iy = iy0 + (ky * #dh) as isize;
+                if iy < 0 || iy >= in_h {
+                    continue;
+                }
+                let row = a.input.add(iy as usize * a.in_w * a.channels + c);
+                for kx in 0..#kw {
+                    let w = #load(a.weights.add((ky * #kw + kx) * a.wstride + c));
+                    #(#fmas)*
+                }
+            }
+            #(#epis)*
         }
     };
-    let (body_full, body_part) = (one_pixel(false), one_pixel(true));
-
-    // `x` pixels of a row at channel `c`, every tap column inside the image.
-    let accs: Vec<Ident> = (0..x).map(|p| format_ident!("acc{}", p)).collect();
-    let decls = accs.iter().map(|c| quote!(let mut #c = #zero;));
-    let epis = accs.iter().enumerate().map(|(p, c)| {
-        let p = lit(p);
-        epilogue(
-            v,
-            c,
-            quote!(b),
-            &Dest {
-                offset: quote!((oy * a.ow + ox as usize + #p) * a.channels + c),
-                part: None,
-            },
-        )
-    });
-    let (block_taps, reach, sx) = match spec.shape {
+    // The unchecked block of a fixed shape goes row by row of the kernel: its weights in
+    // registers, each input pixel of the row loaded once and multiplied into every output
+    // pixel it reaches, so loads are a fraction of the multiply-adds.
+    let inside = match spec.shape {
+        None => block(true, false),
         Some((k, s)) => {
-            let fmas = (0..x).map(|p| {
-                let c = &accs[p];
-                let off = lit(p * s);
-                let f = fma(
-                    quote!(#c),
-                    quote!(#load(row.offset((ix0 + #off + kx as isize) * cs))),
-                    quote!(w),
-                );
-                quote!(#c = #f;)
+            let decls = accs.iter().map(|c| quote!(let mut #c = #zero;));
+            let ws = (0..k).map(|kx| {
+                let (w, kxl) = (format_ident!("w{}", kx), lit(kx));
+                quote!(let #w = #load(wrow.add(#kxl * a.wstride));)
             });
-            let taps = quote! {
-                for ky in 0..#k {
+            let cols = (0..(x - 1) * s + k).map(|j| {
+                let uses = (0..x).filter(|&p| j >= p * s && j - p * s < k).map(|p| {
+                    let (c, w) = (&accs[p], format_ident!("w{}", j - p * s));
+                    let f = fma(quote!(#c), quote!(xj), quote!(#w));
+                    quote!(#c = #f;)
+                });
+                let jl = lit(j);
+                quote! {
+                    let xj = #load(row.offset((ix0 + #jl) * cs));
+                    #(#uses)*
+                }
+            });
+            let epis = accs.iter().enumerate().map(|(p, c)| {
+                let pl = lit(p);
+                epilogue(
+                    v,
+                    c,
+                    quote!(b),
+                    &Dest {
+                        offset: quote!((oy * a.ow + ox as usize + #pl) * a.channels + c),
+                        part: None,
+                    },
+                )
+            });
+            let kl = lit(k);
+            quote! {
+                let b = #load(a.bias.add(c));
+                #(#decls)*
+                for ky in 0..#kl {
                     let iy = iy0 + ky as isize;
-                    if iy < 0 || iy as usize >= a.in_h {
+                    if iy < 0 || iy >= in_h {
                         continue;
                     }
                     let row = a.input.add(iy as usize * a.in_w * a.channels + c);
-                    for kx in 0..#k {
-                        let w = #load(a.weights.add((ky * #k + kx) * a.wstride + c));
-                        #(#fmas)*
-                    }
+                    let wrow = a.weights.add(ky * #kl * a.wstride + c);
+                    #(#ws)*
+                    #(#cols)*
                 }
-            };
-            let (k, s) = (lit(k), lit(s));
-            (
-                taps,
-                quote!(((#xl - 1) * #s + #k) as isize),
-                quote!(#s as isize),
-            )
-        }
-        None => {
-            let fmas = (0..x).map(|p| {
-                let c = &accs[p];
-                let p = lit(p);
-                let f = fma(
-                    quote!(#c),
-                    quote!(#load(row.offset((ix0 + #p * sw + (kx * a.dw) as isize) * cs))),
-                    quote!(w),
-                );
-                quote!(#c = #f;)
-            });
-            let taps = quote! {
-                for ky in 0..a.kh {
-                    let iy = iy0 + (ky * a.dh) as isize;
-                    if iy < 0 || iy as usize >= a.in_h {
-                        continue;
-                    }
-                    let row = a.input.add(iy as usize * a.in_w * a.channels + c);
-                    for kx in 0..a.kw {
-                        let w = #load(a.weights.add((ky * a.kw + kx) * a.wstride + c));
-                        #(#fmas)*
-                    }
-                }
-            };
-            (
-                taps,
-                quote!((#xl - 1) * sw + ((a.kw - 1) * a.dw) as isize + 1),
-                quote!(a.sw as isize),
-            )
+                #(#epis)*
+            }
         }
     };
-    let sh = match spec.shape {
-        Some((_, s)) => {
-            let s = lit(s);
-            quote!(#s as isize)
-        }
-        None => quote!(a.sh as isize),
-    };
+    let (edge, part) = (block(false, false), block(false, true));
     quote! {
-        /// One output pixel at channel `c` (a whole vector of channels).
-        #[inline]
-        #attrs
-        unsafe fn #pixel(a: &DwArgs, oy: usize, ox: isize, c: usize) {
-            #body_full
-        }
-
-        /// One output pixel at channel `c`, where only `n < lanes` channels are left.
-        #[inline]
-        #attrs
-        unsafe fn #pixel_part(a: &DwArgs, oy: usize, ox: isize, c: usize, n: usize) {
-            #body_part
-        }
-
         #[doc = #doc]
         #attrs
         pub unsafe fn #name(a: &DwArgs) {
-            let (in_w, ow) = (a.in_w as isize, a.ow as isize);
+            let (in_h, in_w, ow) = (a.in_h as isize, a.in_w as isize, a.ow as isize);
             let (pt, pl) = (a.pad_top as isize, a.pad_left as isize);
             let cs = a.channels as isize;
             let (lo, hi) = (#splat(a.min), #splat(a.max));
-            let sw = #sx;
-            let reach = #reach;
+            // Input columns a block of pixels reads, from its first.
+            let reach = ((#xl - 1) * #sw + (#kw - 1) * #dw + 1) as isize;
             for oy in a.oy0..a.oy1 {
-                let iy0 = oy as isize * #sh - pt;
+                let iy0 = (oy * #sh) as isize - pt;
                 let mut ox = 0isize;
                 while ox < ow {
-                    let ix0 = ox * sw - pl;
-                    if ox + #xl <= ow && ix0 >= 0 && ix0 + reach <= in_w {
-                        let mut c = 0;
-                        while c + #ll <= a.channels {
-                            let b = #load(a.bias.add(c));
-                            #(#decls)*
-                            #block_taps
-                            #(#epis)*
-                            c += #ll;
+                    let ix0 = ox * #sw as isize - pl;
+                    let np = ((ow - ox) as usize).min(#xl);
+                    let all_in = np == #xl && ix0 >= 0 && ix0 + reach <= in_w;
+                    let mut c = 0;
+                    while c + #ll <= a.channels {
+                        if all_in {
+                            #inside
+                        } else {
+                            #edge
                         }
-                        if c < a.channels {
-                            for p in 0..#xl {
-                                #pixel_part(a, oy, ox + p, c, a.channels - c);
-                            }
-                        }
-                        ox += #xl;
-                    } else {
-                        let mut c = 0;
-                        while c + #ll <= a.channels {
-                            #pixel(a, oy, ox, c);
-                            c += #ll;
-                        }
-                        if c < a.channels {
-                            #pixel_part(a, oy, ox, c, a.channels - c);
-                        }
-                        ox += 1;
+                        c += #ll;
                     }
+                    if c < a.channels {
+                        let n = a.channels - c;
+                        #part
+                    }
+                    ox += #xl as isize;
                 }
             }
         }

@@ -11,6 +11,7 @@ use quote::{format_ident, quote};
 
 mod depthwise;
 mod gemm;
+mod layout;
 mod simd;
 
 /// An instruction-set level a kernel is generated for.
@@ -123,6 +124,9 @@ pub struct DwSpec {
     pub isa: Isa,
     pub layout: DwLayout,
     pub shape: Option<(usize, usize)>,
+    /// AVX-512 NCHW only: 8-lane (ymm) vectors with AVX-512's 32 registers and masks, for
+    /// images at most 8 wide, where 16 lanes would be half empty.
+    pub ymm: bool,
 }
 
 impl DwSpec {
@@ -131,8 +135,9 @@ impl DwSpec {
             Some((k, s)) => format!("k{k}s{s}"),
             None => "generic".into(),
         };
+        let ymm = if self.ymm { "_ymm" } else { "" };
         format!(
-            "dw_f32_{shape}_{}_{}",
+            "dw_f32_{shape}_{}{ymm}_{}",
             self.layout.suffix(),
             self.isa.suffix()
         )
@@ -144,24 +149,30 @@ impl DwSpec {
 pub const DW_SHAPES: &[(usize, usize)] = &[(3, 1), (3, 2), (5, 1), (5, 2), (7, 1), (7, 2)];
 
 /// The f32 depthwise kernels: every shape of [`DW_SHAPES`] and the generic kernel, in both
-/// layouts, for every ISA.
+/// layouts, for every ISA; for AVX-512 NCHW, 8-lane variants too.
 pub fn dw_f32() -> Vec<DwSpec> {
-    let shapes = DW_SHAPES.iter().map(|&s| Some(s)).chain([None]);
-    let shapes: Vec<Option<(usize, usize)>> = shapes.collect();
-    Isa::ALL
-        .into_iter()
-        .flat_map(|isa| {
-            let shapes = shapes.clone();
-            [DwLayout::Nchw, DwLayout::Nhwc]
-                .into_iter()
-                .flat_map(move |layout| {
-                    shapes
-                        .clone()
-                        .into_iter()
-                        .map(move |shape| DwSpec { isa, layout, shape })
-                })
-        })
-        .collect()
+    let shapes: Vec<Option<(usize, usize)>> =
+        DW_SHAPES.iter().map(|&s| Some(s)).chain([None]).collect();
+    let mut specs = Vec::new();
+    for isa in Isa::ALL {
+        for layout in [DwLayout::Nchw, DwLayout::Nhwc] {
+            let ymm_too = isa == Isa::Avx512 && layout == DwLayout::Nchw;
+            for ymm in [false, true] {
+                if ymm && !ymm_too {
+                    continue;
+                }
+                for &shape in &shapes {
+                    specs.push(DwSpec {
+                        isa,
+                        layout,
+                        shape,
+                        ymm,
+                    });
+                }
+            }
+        }
+    }
+    specs
 }
 
 /// A generated source file: its name and its formatted text.
@@ -180,6 +191,10 @@ pub fn generate() -> Vec<Generated> {
         Generated {
             file: "dw_f32.rs",
             source: format_file(depthwise::emit_all(&dw_f32())),
+        },
+        Generated {
+            file: "layout.rs",
+            source: format_file(layout::emit_all()),
         },
     ]
 }

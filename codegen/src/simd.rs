@@ -112,6 +112,16 @@ pub fn simd(isa: Isa) -> Simd {
     }
 }
 
+/// AVX-512 with 8-lane (ymm) vectors: AVX2's operations with AVX-512's 32 registers, masked
+/// loads and stores, and broadcasts folded into the multiply-adds.
+pub fn simd_ymm() -> Simd {
+    Simd {
+        feature: Some("avx512f,avx512vl,avx2,fma"),
+        isa: Isa::Avx512,
+        ..simd(Isa::Avx2)
+    }
+}
+
 /// Helpers every kernel module of an ISA shares: loads and stores of part of a vector (for
 /// the edges of an image, where whole vectors would read padding or write past a row), and the
 /// even lanes of two vectors (stride-2 kernels). They go inside the ISA's module, after its
@@ -120,8 +130,8 @@ pub fn helpers(v: &Simd) -> TokenStream {
     let attrs = v.attrs();
     let ty = &v.ty;
     let lanes = proc_macro2::Literal::isize_unsuffixed(v.lanes as isize);
-    let (load_part, store_part, evens) = match v.isa {
-        Isa::Scalar => (
+    let (load_part, store_part, evens) = match (v.isa, v.lanes) {
+        (Isa::Scalar, _) => (
             quote!(if lo <= 0 && 0 < hi { *p } else { 0.0 }),
             quote!(if n > 0 {
                 *p = x;
@@ -131,7 +141,24 @@ pub fn helpers(v: &Simd) -> TokenStream {
                 a
             }),
         ),
-        Isa::Avx512 => (
+        (Isa::Avx512, 8) => (
+            quote! {
+                let (lo, hi) = (lo.clamp(0, 8) as u32, hi.clamp(0, 8) as u32);
+                let m = ((1u32 << hi) - 1) & !((1u32 << lo) - 1);
+                // Lanes outside the mask are not read (fault suppression).
+                _mm256_maskz_loadu_ps(m as __mmask8, p)
+            },
+            quote! {
+                let m = ((1u32 << n.min(8)) - 1) as __mmask8;
+                _mm256_mask_storeu_ps(p, m, x)
+            },
+            quote!(_mm256_permutex2var_ps(
+                a,
+                _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14),
+                b
+            )),
+        ),
+        (Isa::Avx512, _) => (
             quote! {
                 let (lo, hi) = (lo.clamp(0, 16) as u32, hi.clamp(0, 16) as u32);
                 let m = ((1u32 << hi) - 1) & !((1u32 << lo) - 1);
@@ -148,7 +175,7 @@ pub fn helpers(v: &Simd) -> TokenStream {
                 b
             )),
         ),
-        Isa::Avx2 => (
+        (Isa::Avx2, _) => (
             quote! {
                 let iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
                 let (lo, hi) = (lo.clamp(0, 8) as i32, hi.clamp(0, 8) as i32);
@@ -159,16 +186,35 @@ pub fn helpers(v: &Simd) -> TokenStream {
                 // Lanes outside the mask are not read (fault suppression).
                 _mm256_maskload_ps(p, m)
             },
+            // Not `vmaskmovps` to memory: AMD cores microcode it (over ten cycles a store).
+            // Halves, then quarters, then one float.
             quote! {
-                let iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-                let m = _mm256_cmpgt_epi32(_mm256_set1_epi32(n.min(8) as i32), iota);
-                _mm256_maskstore_ps(p, m, x)
+                if n >= 8 {
+                    return _mm256_storeu_ps(p, x);
+                }
+                let (mut p, mut n) = (p, n);
+                let mut v = _mm256_castps256_ps128(x);
+                if n >= 4 {
+                    _mm_storeu_ps(p, v);
+                    v = _mm256_extractf128_ps::<1>(x);
+                    p = p.add(4);
+                    n -= 4;
+                }
+                if n >= 2 {
+                    _mm_store_sd(p as *mut f64, _mm_castps_pd(v));
+                    v = _mm_movehl_ps(v, v);
+                    p = p.add(2);
+                    n -= 2;
+                }
+                if n >= 1 {
+                    _mm_store_ss(p, v);
+                }
             },
             quote!(_mm256_castpd_ps(_mm256_permute4x64_pd::<0xD8>(
                 _mm256_castps_pd(_mm256_shuffle_ps::<0x88>(a, b))
             ))),
         ),
-        Isa::Neon => (
+        (Isa::Neon, _) => (
             quote! {
                 let mut t = [0.0f32; 4];
                 for (i, t) in t.iter_mut().enumerate() {

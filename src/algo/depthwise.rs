@@ -8,6 +8,7 @@
 //! are contiguous) for NCHW, tap-major with the channels padded to a whole vector for NHWC.
 
 use super::{for_each_worker, SendPtr};
+use crate::cpu::generated_layout::Transpose8x8;
 use crate::cpu::{self, Isa};
 use crate::params::Geometry;
 use crate::{Activation, ConvParams, Error, Layout, Result};
@@ -56,30 +57,73 @@ pub struct DwKernel {
     pub fixed: Option<(usize, usize)>,
     /// Floats per vector.
     pub lanes: usize,
+    /// Outputs kept in registers: rows (NCHW) or pixels of a row (NHWC).
+    pub block: usize,
+    /// An 8-lane variant of a 16-lane ISA, for narrow images.
+    pub ymm: bool,
 }
 
-/// Lanes the NHWC packing pads channels to: the widest vector of any ISA.
-const PAD_LANES: usize = 16;
+/// Channels the channel-major packing pads to, and the block of channels the blocked NCHW
+/// mode transposes at a time: the widest vector of any ISA.
+const BLOCK: usize = 16;
 
-pub(crate) struct Depthwise {
+/// How a planned depthwise convolution runs.
+#[derive(Clone, Copy)]
+enum Mode {
+    /// NCHW, one channel plane at a time, vectorised along the rows.
+    Planes,
+    /// NHWC, vectorised across channels.
+    Channels,
+    /// NCHW through the channel kernels: 16 planes at a time transposed into a scratch of
+    /// 16-channel pixels, run, and transposed back. For small images, whose rows are too short
+    /// for the plane kernels' vectors.
+    Blocked,
+}
+
+/// The weights packed channel-major for the channel kernels: tap-major, `wstride` floats a
+/// tap (the channels rounded up to [`BLOCK`]), and the bias padded the same way.
+struct ChannelWeights {
     kern: &'static DwKernel,
-    /// NCHW at AVX-512 only: the AVX2 kernel of the same shape, for images at most 8 wide,
-    /// where a 16-lane vector would be half empty.
-    narrow: Option<&'static DwKernel>,
-    multiplier: usize,
     weights: Vec<f32>,
     bias: Vec<f32>,
     wstride: usize,
 }
 
+pub(crate) struct Depthwise {
+    /// NCHW: the plane kernel, its weights as they come (a plane's taps are contiguous).
+    planes: Option<(&'static DwKernel, Vec<f32>, Vec<f32>)>,
+    /// NCHW at AVX-512 only: the 8-lane plane kernel of the same shape, for images at most 8
+    /// wide, where a 16-lane vector would be half empty.
+    narrow: Option<&'static DwKernel>,
+    /// NHWC, or NCHW with channel multiplier 1 (the blocked mode).
+    channels: Option<ChannelWeights>,
+    multiplier: usize,
+    /// The blocked mode's transpose.
+    transpose: Transpose8x8,
+    /// The mode a forced kernel runs in.
+    forced_mode: Option<Mode>,
+}
+
 pub(crate) struct DwPlan {
+    mode: Mode,
     kern: &'static DwKernel,
     workers: usize,
-    /// Items: NCHW `batch * c_out` planes, NHWC `batch` images, each cut in `bands` bands of
-    /// `band_rows` output rows.
+    /// Units (Planes: `batch * c_out` planes; Channels: `batch` images; Blocked: `batch *
+    /// ceil(c_out / 16)` blocks), each cut in `bands` bands of `band_rows` output rows.
     bands: usize,
     band_rows: usize,
     items: usize,
+    /// Blocked: the padded input (`hp x wp`) and output (`oh x owp`) sizes of the scratch.
+    padded: (usize, usize, usize),
+    /// Blocked: scratch floats a worker needs (padded input pixels, unpadded pixels, output
+    /// pixels of one block).
+    scratch_per_worker: usize,
+}
+
+impl DwPlan {
+    pub(crate) fn workspace_floats(&self) -> usize {
+        self.workers * self.scratch_per_worker
+    }
 }
 
 impl Depthwise {
@@ -100,110 +144,172 @@ impl Depthwise {
         None
     }
 
-    /// Packs the weights for `p`; `generic` forces the generic kernel.
+    /// Packs the weights for `p`; `generic` forces the generic kernels, `forced` one kernel
+    /// (of `isa`): an NHWC kernel forced on NCHW runs the blocked mode.
     pub(crate) fn new(
         p: &ConvParams,
         weights: &[f32],
         bias: Option<&[f32]>,
         isa: Isa,
         generic: bool,
+        forced: Option<&'static DwKernel>,
     ) -> Result<Self> {
+        let name = if generic {
+            "depthwise_generic"
+        } else {
+            "depthwise"
+        };
         if let Some(reason) = Self::rejects(p) {
             return Err(Error::AlgorithmUnsupported {
-                algorithm: if generic {
-                    "depthwise_generic"
-                } else {
-                    "depthwise"
-                },
+                algorithm: name,
                 reason,
             });
         }
         let shape =
             (p.kernel[0] == p.kernel[1] && p.stride[0] == p.stride[1] && p.dilation == [1, 1])
                 .then_some((p.kernel[0], p.stride[0]));
-        let find = |isa: Isa, shape: Option<(usize, usize)>| {
+        let find = |layout: Layout, ymm: bool, shape: Option<(usize, usize)>| {
             cpu::dw_f32()
                 .iter()
-                .find(|k| k.isa == isa && k.layout == p.layout && k.fixed == shape)
+                .find(|k| k.isa == isa && k.layout == layout && k.ymm == ymm && k.fixed == shape)
         };
-        let pick = |isa: Isa| {
+        let pick = |layout: Layout, ymm: bool| {
             let fixed = if generic {
                 None
             } else {
-                shape.and_then(|s| find(isa, Some(s)))
+                shape.and_then(|s| find(layout, ymm, Some(s)))
             };
-            fixed.or_else(|| find(isa, None))
+            fixed.or_else(|| find(layout, ymm, None))
         };
-        let kern = pick(isa).ok_or_else(|| Error::AlgorithmUnsupported {
-            algorithm: "depthwise",
-            reason: format!("no depthwise kernel generated for {isa}"),
-        })?;
-        let narrow = (isa == Isa::Avx512 && p.layout == Layout::Nchw)
-            .then(|| pick(Isa::Avx2))
-            .flatten();
-        let taps = p.kernel[0] * p.kernel[1];
-        let channels = p.out_channels;
-        let (weights, bias, wstride) = match p.layout {
-            Layout::Nchw => (
-                weights.to_vec(),
-                bias.map_or_else(|| vec![0.0; channels], <[f32]>::to_vec),
-                0,
-            ),
-            Layout::Nhwc => {
-                let cp = channels.div_ceil(PAD_LANES) * PAD_LANES;
-                let mut w = vec![0.0; taps * cp];
-                for c in 0..channels {
-                    for t in 0..taps {
-                        w[t * cp + c] = weights[c * taps + t];
-                    }
-                }
-                let mut b = vec![0.0; cp];
-                if let Some(bias) = bias {
-                    b[..channels].copy_from_slice(bias);
-                }
-                (w, b, cp)
+        if let Some(k) = forced {
+            let layout_ok = k.layout == p.layout
+                || (k.layout == Layout::Nhwc && p.out_channels == p.in_channels);
+            if !layout_ok || k.fixed.is_some_and(|f| Some(f) != shape) {
+                return Err(Error::AlgorithmUnsupported {
+                    algorithm: name,
+                    reason: format!(
+                        "kernel {} does not take {:?} kernel {:?} stride {:?} dilation {:?} with {} -> {} channels",
+                        k.name, p.layout, p.kernel, p.stride, p.dilation, p.in_channels, p.out_channels
+                    ),
+                });
             }
+        }
+        let pick = |layout: Layout, ymm: bool| match forced {
+            Some(k) if k.layout == layout && k.ymm == ymm => Some(k),
+            _ => pick(layout, ymm),
+        };
+        let forced_mode = forced.map(|k| match (k.layout, p.layout) {
+            (Layout::Nchw, _) => Mode::Planes,
+            (Layout::Nhwc, Layout::Nchw) => Mode::Blocked,
+            (Layout::Nhwc, Layout::Nhwc) => Mode::Channels,
+        });
+        let missing = || Error::AlgorithmUnsupported {
+            algorithm: name,
+            reason: format!("no depthwise kernel generated for {isa}"),
+        };
+        let taps = p.kernel[0] * p.kernel[1];
+        let c = p.out_channels;
+        let bias_or_zero = || bias.map_or_else(|| vec![0.0; c], <[f32]>::to_vec);
+        let planes = match p.layout {
+            Layout::Nchw => Some((
+                match forced {
+                    Some(k) if k.layout == Layout::Nchw => k,
+                    _ => pick(Layout::Nchw, false).ok_or_else(missing)?,
+                },
+                weights.to_vec(),
+                bias_or_zero(),
+            )),
+            Layout::Nhwc => None,
+        };
+        let channels = if p.out_channels == p.in_channels {
+            let cp = c.div_ceil(BLOCK) * BLOCK;
+            let mut w = vec![0.0; taps * cp];
+            for ch in 0..c {
+                for t in 0..taps {
+                    w[t * cp + ch] = weights[ch * taps + t];
+                }
+            }
+            let mut b = bias_or_zero();
+            b.resize(cp, 0.0);
+            Some(ChannelWeights {
+                kern: pick(Layout::Nhwc, false).ok_or_else(missing)?,
+                weights: w,
+                bias: b,
+                wstride: cp,
+            })
+        } else {
+            None
         };
         Ok(Depthwise {
-            kern,
-            narrow,
+            planes,
+            narrow: match (p.layout, forced) {
+                (Layout::Nchw, None) => pick(Layout::Nchw, true),
+                _ => None,
+            },
+            channels,
             multiplier: p.out_channels / p.in_channels,
-            weights,
-            bias,
-            wstride,
+            transpose: cpu::transpose_8x8(isa),
+            forced_mode,
         })
     }
 
     pub(crate) fn plan(&self, g: &Geometry, threads: usize) -> DwPlan {
-        let kern = match self.narrow {
-            Some(k) if g.ow <= k.lanes => k,
-            _ => self.kern,
-        };
-        let units = match g.layout {
-            Layout::Nchw => g.batch * g.c_out,
-            Layout::Nhwc => g.batch,
+        let forced = self.forced_mode;
+        let (mode, kern, units) = match (&self.planes, &self.channels) {
+            (None, Some(c)) => (Mode::Channels, c.kern, g.batch),
+            (Some(_), Some(c))
+                if forced
+                    .map_or_else(|| blocked_wins(g, c.kern), |m| matches!(m, Mode::Blocked)) =>
+            {
+                (Mode::Blocked, c.kern, g.batch * g.c_out.div_ceil(BLOCK))
+            }
+            (Some((k, ..)), _) => {
+                let k = match self.narrow {
+                    Some(n) if g.ow <= n.lanes => n,
+                    _ => k,
+                };
+                (Mode::Planes, k, g.batch * g.c_out)
+            }
+            (None, None) => unreachable!("every depthwise convolution has planes or channels"),
         };
         // Enough items that the workers finish together; bands of whole register blocks.
+        // Blocked items are whole blocks: the transposes go plane by plane.
         let t = threads.max(1);
-        let bands = if t == 1 {
-            1
-        } else {
-            (4 * t).div_ceil(units).clamp(1, g.oh)
+        let bands = match mode {
+            Mode::Blocked => 1,
+            _ if t == 1 => 1,
+            _ => (4 * t).div_ceil(units).clamp(1, g.oh),
         };
         let band_rows = g.oh.div_ceil(bands).next_multiple_of(4).min(g.oh);
         let bands = g.oh.div_ceil(band_rows);
         let items = units * bands;
+        // Blocked: the scratch input carries the padding (the transpose writes it at no extra
+        // cost) and the scratch output rows are whole register blocks, so every block of the
+        // kernel runs its unchecked loop.
+        let owp = g.ow.next_multiple_of(kern.block);
+        let hp = g.pad_top + g.h + g.pad_bottom;
+        let wp = (g.pad_left + g.w + g.pad_right).max((owp - 1) * g.sw + (g.kw - 1) * g.dw + 1);
         DwPlan {
+            mode,
             kern,
             workers: t.min(items),
             bands,
             band_rows,
             items,
+            padded: (hp, wp, owp),
+            scratch_per_worker: match mode {
+                Mode::Blocked => BLOCK * (hp * wp + (g.h * g.w).max(g.oh * g.ow) + g.oh * owp),
+                _ => 0,
+            },
         }
     }
 
-    pub(crate) fn kernel_name(plan: &DwPlan) -> &'static str {
-        plan.kern.name
+    /// The kernel that runs; blocked NCHW names the transpose around the channel kernel.
+    pub(crate) fn kernel_name(plan: &DwPlan) -> String {
+        match plan.mode {
+            Mode::Blocked => format!("transpose{BLOCK}+{}", plan.kern.name),
+            _ => plan.kern.name.to_string(),
+        }
     }
 
     /// Runs a planned convolution. Slice lengths were checked by the caller.
@@ -216,79 +322,265 @@ impl Depthwise {
         residual: Option<&[f32]>,
         output: &mut [f32],
         activation: Activation,
+        scratch: &mut [f32],
     ) {
         let (min, max) = activation.clamp_bounds();
         let out = SendPtr(output.as_mut_ptr());
-        let residual = residual.map_or(std::ptr::null(), <[f32]>::as_ptr);
-        let res = SendPtr(residual as *mut f32);
-        for_each_worker(plan.workers, plan.items, |item| {
+        let res = SendPtr(residual.map_or(std::ptr::null_mut(), |r| r.as_ptr() as *mut f32));
+        let scratch = SendPtr(scratch.as_mut_ptr());
+        let args = |input: *const f32, output: *mut f32, residual: *const f32| DwArgs {
+            input,
+            output,
+            residual,
+            weights: std::ptr::null(),
+            bias: std::ptr::null(),
+            in_h: g.h,
+            in_w: g.w,
+            ow: g.ow,
+            channels: g.c_out,
+            wstride: 0,
+            oy0: 0,
+            oy1: g.oh,
+            pad_top: g.pad_top,
+            pad_left: g.pad_left,
+            kh: g.kh,
+            kw: g.kw,
+            sh: g.sh,
+            sw: g.sw,
+            dh: g.dh,
+            dw: g.dw,
+            min,
+            max,
+        };
+        let offset = |p: SendPtr, off: usize| {
+            if p.get().is_null() {
+                std::ptr::null()
+            } else {
+                p.get().wrapping_add(off) as *const f32
+            }
+        };
+        let (hw, ohw) = (g.h * g.w, g.oh * g.ow);
+        for_each_worker(plan.workers, plan.items, |worker, item| {
             let unit = item / plan.bands;
             let oy0 = item % plan.bands * plan.band_rows;
             let oy1 = (oy0 + plan.band_rows).min(g.oh);
-            let (in_off, out_off, w_off, b_off) = match g.layout {
-                Layout::Nchw => {
+            // Output floats this item writes: its activation pass runs over them.
+            let written = match plan.mode {
+                Mode::Planes => {
                     let (n, oc) = (unit / g.c_out, unit % g.c_out);
-                    let ic = oc / self.multiplier;
+                    let Some((_, weights, bias)) = &self.planes else {
+                        unreachable!("plane mode has plane weights")
+                    };
                     let taps = g.kh * g.kw;
-                    (
-                        (n * g.c_in + ic) * g.h * g.w,
-                        unit * g.oh * g.ow,
-                        oc * taps,
-                        oc,
-                    )
+                    let o = unit * ohw;
+                    let a = DwArgs {
+                        weights: weights[oc * taps..].as_ptr(),
+                        bias: &bias[oc],
+                        oy0,
+                        oy1,
+                        ..args(
+                            input[(n * g.c_in + oc / self.multiplier) * hw..].as_ptr(),
+                            out.get().wrapping_add(o),
+                            offset(res, o),
+                        )
+                    };
+                    // SAFETY: the kernel's ISA was checked when the weights were packed; the
+                    // input, output and residual hold the geometry's tensors (lengths checked)
+                    // and the weights and bias were packed for it; items write disjoint rows.
+                    unsafe { (plan.kern.func)(&a) };
+                    o + oy0 * g.ow..o + oy1 * g.ow
                 }
-                Layout::Nhwc => (
-                    unit * g.h * g.w * g.c_in,
-                    unit * g.oh * g.ow * g.c_out,
-                    0,
-                    0,
-                ),
+                Mode::Channels => {
+                    let cw = self.channel_weights();
+                    let row = g.ow * g.c_out;
+                    let o = unit * g.oh * row;
+                    let a = DwArgs {
+                        weights: cw.weights.as_ptr(),
+                        bias: cw.bias.as_ptr(),
+                        wstride: cw.wstride,
+                        oy0,
+                        oy1,
+                        ..args(
+                            input[unit * hw * g.c_in..].as_ptr(),
+                            out.get().wrapping_add(o),
+                            offset(res, o),
+                        )
+                    };
+                    // SAFETY: as above.
+                    unsafe { (plan.kern.func)(&a) };
+                    o + oy0 * row..o + oy1 * row
+                }
+                Mode::Blocked => {
+                    let cw = self.channel_weights();
+                    let blocks = g.c_out.div_ceil(BLOCK);
+                    let (n, c0) = (unit / blocks, unit % blocks * BLOCK);
+                    let cb = BLOCK.min(g.c_out - c0);
+                    // SAFETY: each worker owns its `scratch_per_worker` floats of the scratch,
+                    // which holds `workers` of them.
+                    let s = unsafe {
+                        std::slice::from_raw_parts_mut(
+                            scratch.get().add(worker * plan.scratch_per_worker),
+                            plan.scratch_per_worker,
+                        )
+                    };
+                    let (hp, wp, owp) = plan.padded;
+                    let (pix_in, s) = s.split_at_mut(BLOCK * hp * wp);
+                    let (flat, pix_out) = s.split_at_mut(BLOCK * hw.max(ohw));
+                    let first = (n * g.c_out + c0) * hw;
+                    to_pixels(
+                        self.transpose,
+                        &input[first..first + cb * hw],
+                        g,
+                        wp,
+                        cb,
+                        flat,
+                        &mut pix_in[..cb * hp * wp],
+                    );
+                    let o = (n * g.c_out + c0) * ohw;
+                    let has_res = !res.get().is_null();
+                    let a = DwArgs {
+                        weights: cw.weights[c0..].as_ptr(),
+                        bias: cw.bias[c0..].as_ptr(),
+                        wstride: cw.wstride,
+                        channels: cb,
+                        in_h: hp,
+                        in_w: wp,
+                        ow: owp,
+                        pad_top: 0,
+                        pad_left: 0,
+                        // With a residual the clamp waits until it is added, on the way back.
+                        min: if has_res { f32::NEG_INFINITY } else { min },
+                        max: if has_res { f32::INFINITY } else { max },
+                        ..args(pix_in.as_ptr(), pix_out.as_mut_ptr(), std::ptr::null())
+                    };
+                    // SAFETY: as above; the kernel reads and writes the worker's own scratch,
+                    // which holds one block's padded input and output pixels.
+                    unsafe { (plan.kern.func)(&a) };
+                    // SAFETY: this block's planes, inside the output (length checked), written
+                    // by no other item.
+                    let dst = unsafe { std::slice::from_raw_parts_mut(out.get().add(o), cb * ohw) };
+                    let res = has_res.then(|| {
+                        // SAFETY: the residual has the output's length (checked).
+                        unsafe { std::slice::from_raw_parts(res.get().add(o), cb * ohw) }
+                    });
+                    to_planes(
+                        self.transpose,
+                        &pix_out[..cb * g.oh * owp],
+                        g,
+                        owp,
+                        cb,
+                        flat,
+                        dst,
+                        res,
+                        min,
+                        max,
+                    );
+                    o..o + cb * ohw
+                }
             };
-            let row_len = match g.layout {
-                Layout::Nchw => g.ow,
-                Layout::Nhwc => g.ow * g.c_out,
-            };
-            let rows = out_off + oy0 * row_len..out_off + oy1 * row_len;
-            let args = DwArgs {
-                input: input[in_off..].as_ptr(),
-                output: out.get().wrapping_add(out_off),
-                residual: if res.get().is_null() {
-                    std::ptr::null()
-                } else {
-                    res.get().wrapping_add(out_off)
-                },
-                weights: self.weights[w_off..].as_ptr(),
-                bias: self.bias[b_off..].as_ptr(),
-                in_h: g.h,
-                in_w: g.w,
-                ow: g.ow,
-                channels: g.c_out,
-                wstride: self.wstride,
-                oy0,
-                oy1,
-                pad_top: g.pad_top,
-                pad_left: g.pad_left,
-                kh: g.kh,
-                kw: g.kw,
-                sh: g.sh,
-                sw: g.sw,
-                dh: g.dh,
-                dw: g.dw,
-                min,
-                max,
-            };
-            // SAFETY: the kernel's ISA was checked when the weights were packed; the input,
-            // output and residual were checked to hold the geometry's tensors, the weights and
-            // bias were packed for it; items write disjoint rows of the output.
-            unsafe { (plan.kern.func)(&args) };
             if activation.needs_pass() {
-                // SAFETY: this item's rows, inside the output (checked length), written by no
-                // other item.
+                // SAFETY: this item's outputs, inside the output (checked length), written by
+                // no other item.
                 let rows = unsafe {
-                    std::slice::from_raw_parts_mut(out.get().add(rows.start), rows.len())
+                    std::slice::from_raw_parts_mut(out.get().add(written.start), written.len())
                 };
                 activation.apply_slice(rows);
             }
         });
+    }
+
+    fn channel_weights(&self) -> &ChannelWeights {
+        self.channels
+            .as_ref()
+            .expect("channel modes are planned only with channel weights")
+    }
+}
+
+/// The rule between the NCHW modes, from `convkit bench` on the suite's depthwise layers (one
+/// thread, AMD EPYC Zen 4 with AVX-512, medians of interleaved runs, GFLOP/s planes vs
+/// blocked): 7x7 kernels gain from blocking at every size (7x7 image 25-33 vs 38-44, 14x14
+/// 41-51 vs 41-51, 28x28 44-57 vs 41-52, 56x56 43-60 vs 45-52: the channel kernel's loads
+/// are a seventh of its multiply-adds), 3x3 kernels only on images at most 8 wide (7x7: 9-14
+/// vs 12-17; 28x28: 25-35 vs 14-16), 5x5 never (28x28: 31-46 vs 28-39).
+fn blocked_wins(g: &Geometry, channel_kernel: &DwKernel) -> bool {
+    match channel_kernel.fixed {
+        Some((7, _)) => true,
+        Some(_) => g.ow <= 8,
+        None => false,
+    }
+}
+
+/// `dst[j][i] = src[i][j]` for `src` of `rows x cols` (`dst` is `cols x rows`), 8x8 blocks
+/// at a time.
+fn transpose(t: Transpose8x8, src: &[f32], rows: usize, cols: usize, dst: &mut [f32]) {
+    assert!(src.len() >= rows * cols && dst.len() >= rows * cols);
+    let (r8, c8) = (rows / 8 * 8, cols / 8 * 8);
+    for i in (0..r8).step_by(8) {
+        for j in (0..c8).step_by(8) {
+            // SAFETY: rows i..i+8 and columns j..j+8 of both matrices lie inside them
+            // (asserted above); the kernel's ISA is this CPU's (checked at creation).
+            unsafe {
+                t(
+                    src[i * cols + j..].as_ptr(),
+                    cols,
+                    dst[j * rows + i..].as_mut_ptr(),
+                    rows,
+                )
+            };
+        }
+    }
+    for i in 0..rows {
+        let j0 = if i < r8 { c8 } else { 0 };
+        for j in j0..cols {
+            dst[j * rows + i] = src[i * cols + j];
+        }
+    }
+}
+
+/// `cb` planes of the input (`src`) into pixels of `cb` channels (`dst`: rows `wp` pixels
+/// wide, the padding of `g` around the image zeroed), through `flat` (unpadded pixels).
+fn to_pixels(
+    t: Transpose8x8,
+    src: &[f32],
+    g: &Geometry,
+    wp: usize,
+    cb: usize,
+    flat: &mut [f32],
+    dst: &mut [f32],
+) {
+    let (w, hw) = (g.w, g.h * g.w);
+    transpose(t, src, cb, hw, flat);
+    dst.fill(0.0);
+    for y in 0..g.h {
+        let d = ((y + g.pad_top) * wp + g.pad_left) * cb;
+        dst[d..d + w * cb].copy_from_slice(&flat[y * w * cb..(y + 1) * w * cb]);
+    }
+}
+
+/// Pixels of `cb` channels (`src`, rows `owp` pixels wide) back into `cb` output planes
+/// (`dst`) through `flat`, then the residual (shaped like `dst`) added and the clamp applied
+/// when there is one.
+#[allow(clippy::too_many_arguments)]
+fn to_planes(
+    t: Transpose8x8,
+    src: &[f32],
+    g: &Geometry,
+    owp: usize,
+    cb: usize,
+    flat: &mut [f32],
+    dst: &mut [f32],
+    residual: Option<&[f32]>,
+    min: f32,
+    max: f32,
+) {
+    let row = g.ow * cb;
+    for y in 0..g.oh {
+        flat[y * row..(y + 1) * row].copy_from_slice(&src[y * owp * cb..][..row]);
+    }
+    transpose(t, flat, g.oh * g.ow, cb, dst);
+    if let Some(r) = residual {
+        for (v, &r) in dst.iter_mut().zip(r) {
+            *v = (*v + r).max(min).min(max);
+        }
     }
 }

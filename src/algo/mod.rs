@@ -74,15 +74,16 @@ impl SendPtr {
 }
 
 /// Runs `items` numbered work items on `workers` workers, each a contiguous range of them: on
-/// the caller's thread alone for one worker, else on the current rayon pool.
-pub(crate) fn for_each_worker(workers: usize, items: usize, item: impl Fn(usize) + Sync) {
+/// the caller's thread alone for one worker, else on the current rayon pool. `item` gets the
+/// worker's number (for its scratch) and the item's.
+pub(crate) fn for_each_worker(workers: usize, items: usize, item: impl Fn(usize, usize) + Sync) {
     let range = |w: usize| w * items / workers..(w + 1) * items / workers;
     if workers <= 1 {
-        (0..items).for_each(&item);
+        (0..items).for_each(|i| item(0, i));
     } else {
         (0..workers)
             .into_par_iter()
             .with_max_len(1)
-            .for_each(|w| range(w).for_each(&item));
+            .for_each(|w| range(w).for_each(|i| item(w, i)));
     }
 }

@@ -13,6 +13,22 @@ pub(crate) mod generated {
     include!(concat!(env!("OUT_DIR"), "/gemm_f32.rs"));
 }
 
+/// The generated layout kernels (transposes).
+#[allow(clippy::all)]
+pub(crate) mod generated_layout {
+    include!(concat!(env!("OUT_DIR"), "/layout.rs"));
+}
+
+/// The best 8x8 transpose kernel `isa` can run.
+pub(crate) fn transpose_8x8(isa: Isa) -> generated_layout::Transpose8x8 {
+    generated_layout::TRANSPOSE_8X8
+        .iter()
+        .rev()
+        .find(|(i, _)| *i <= isa && (*i == Isa::Scalar || i.family() == isa.family()))
+        .map(|&(_, f)| f)
+        .unwrap_or(generated_layout::transpose_8x8_scalar)
+}
+
 /// The generated depthwise kernels, one module per ISA.
 #[allow(clippy::all)]
 pub(crate) mod generated_dw {
@@ -76,6 +92,17 @@ impl Isa {
                 requested: isa.name().into(),
                 available: available.join(", "),
             })
+        }
+    }
+}
+
+impl Isa {
+    /// The architecture a level belongs to (levels compare only within one).
+    fn family(self) -> &'static str {
+        match self {
+            Isa::Scalar => "any",
+            Isa::Avx2 | Isa::Avx512 => "x86_64",
+            Isa::Neon => "aarch64",
         }
     }
 }
@@ -189,6 +216,21 @@ pub fn registry() -> Vec<KernelInfo> {
         fixed: k.fixed,
     });
     gemm.chain(dw).collect()
+}
+
+/// The registry entry named `name`, or `Error::InvalidParameter` listing what there is.
+pub fn find_kernel(name: &str) -> Result<KernelInfo> {
+    let all = registry();
+    all.iter()
+        .find(|k| k.name == name.trim())
+        .copied()
+        .ok_or_else(|| Error::InvalidParameter {
+            what: "kernel name",
+            detail: format!(
+                "{name:?} is not a kernel of this build (`convkit info` lists them; {} in all)",
+                all.len()
+            ),
+        })
 }
 
 /// Names of the generated kernels available at each ISA level, for `convkit info`.

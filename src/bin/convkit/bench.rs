@@ -38,6 +38,7 @@ pub fn main(args: &[String]) -> CliResult<bool> {
             "threads",
             "isa",
             "algorithm",
+            "kernel",
             "reps",
             "only",
             "layout",
@@ -64,11 +65,20 @@ pub fn main(args: &[String]) -> CliResult<bool> {
         ));
     }
     let (threads, workers) = setup_threads(flags.parsed("threads")?)?;
-    let isa = resolve_isa(flags.parsed("isa")?)?;
+    let kernel = match flags.get("kernel") {
+        Some(name) => Some(convkit::cpu::find_kernel(name)?),
+        None => None,
+    };
+    // A forced kernel brings its own ISA.
+    let isa = match kernel {
+        Some(k) => convkit::Isa::check(k.isa)?,
+        None => resolve_isa(flags.parsed("isa")?)?,
+    };
     let options = Options {
         threads,
         isa: Some(isa),
         algorithm,
+        kernel: kernel.map(|k| k.name),
     };
 
     // Notes go to stdout with the table, or to stderr when stdout is CSV.

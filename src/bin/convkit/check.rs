@@ -44,6 +44,7 @@ pub fn main(args: &[String]) -> CliResult<bool> {
                     algorithm: Some(algorithm),
                     isa: Some(isa),
                     threads,
+                    kernel: None,
                 };
                 let label = format!(
                     "{:<width$}  {:<12} {:<7}",

@@ -19,7 +19,8 @@ Usage:
   convkit info
       CPU, ISA levels, threads, kernels and algorithms.
   convkit bench [--layers FILE] [--only NAME,...] [--threads N] [--isa LEVEL]
-                [--layout nchw|nhwc] [--algorithm NAME] [--reps N] [--peak GFLOPS] [--csv]
+                [--layout nchw|nhwc] [--algorithm NAME] [--kernel NAME] [--reps N]
+                [--peak GFLOPS] [--csv]
       Check each layer once against the reference, then time it (median of --reps,
       default 7, repetitions of >= 20 ms each).
   convkit check [--layers FILE] [--only NAME,...] [--threads N] [--layout nchw|nhwc]
@@ -40,6 +41,7 @@ Options:
   --isa LEVEL       scalar, avx2, avx512 or neon (default: the best, or CONVKIT_ISA)
   --layout L        run the suite's layers on nchw (default) or nhwc tensors
   --algorithm NAME  force an algorithm (see `convkit info`)
+  --kernel NAME     force a generated kernel, at its ISA (see `convkit info`)
   --peak GFLOPS     per-core peak for the %peak column (default: measured at start-up)
   --csv             CSV instead of a table on stdout
 

@@ -52,6 +52,7 @@ pub fn main(args: &[String]) -> CliResult<bool> {
             threads,
             isa: Some(isa),
             algorithm: None,
+            kernel: None,
         },
     )?;
     let plan = conv.plan(s.batch, s.h, s.w)?;
