@@ -2,6 +2,7 @@
 //! lives here, in one place.
 
 use crate::algo::depthwise::Depthwise;
+use crate::algo::direct::Direct;
 use crate::algo::im2col_gemm::Im2colGemm;
 use crate::algo::Algorithm;
 use crate::cpu::{Family, Isa};
@@ -42,6 +43,7 @@ impl Options {
 pub(crate) enum Packed {
     Im2colGemm(Im2colGemm),
     Depthwise(Depthwise),
+    Direct(Direct),
 }
 
 pub(crate) struct ConvInner {
@@ -101,13 +103,14 @@ impl Conv2d {
         let algorithm = match (forced.map(|k| k.family), options.algorithm) {
             (Some(Family::Gemm), None | Some(Algorithm::Im2colGemm)) => Algorithm::Im2colGemm,
             (Some(Family::Depthwise), None | Some(Algorithm::Depthwise)) => Algorithm::Depthwise,
+            (Some(Family::Direct), None | Some(Algorithm::Direct)) => Algorithm::Direct,
             (Some(family), Some(a)) => {
                 return Err(Error::InvalidParameter {
                     what: "kernel and algorithm",
                     detail: format!("a {family:?} kernel does not run algorithm {a}"),
                 })
             }
-            (None, a) => a.unwrap_or_else(|| choose(&params)),
+            (None, a) => a.unwrap_or_else(|| choose(&params, isa)),
         };
         let dw_kernel = match forced {
             Some(k) if k.family == Family::Depthwise => {
@@ -115,7 +118,16 @@ impl Conv2d {
             }
             _ => None,
         };
+        let direct_kernel = match forced {
+            Some(k) if k.family == Family::Direct => {
+                crate::cpu::direct_f32().iter().find(|d| d.name == k.name)
+            }
+            _ => None,
+        };
         let packed = match algorithm {
+            Algorithm::Direct => {
+                Packed::Direct(Direct::new(&params, weights, bias, isa, direct_kernel)?)
+            }
             Algorithm::Im2colGemm => Packed::Im2colGemm(Im2colGemm::new(&params, weights, isa)?),
             Algorithm::Depthwise | Algorithm::DepthwiseGeneric => {
                 Packed::Depthwise(Depthwise::new(
@@ -164,6 +176,7 @@ impl Conv2d {
         let algo = match &self.inner.packed {
             Packed::Im2colGemm(a) => AlgoPlan::Im2colGemm(a.plan(&geometry, threads)),
             Packed::Depthwise(a) => AlgoPlan::Depthwise(a.plan(&geometry, threads)),
+            Packed::Direct(a) => AlgoPlan::Direct(a.plan(&geometry, threads)),
         };
         Ok(Plan::new(self.inner.clone(), geometry, algo))
     }
@@ -174,14 +187,27 @@ impl Conv2d {
 ///   made one for the kernel size and stride, else the generic one): they beat im2col + GEMM
 ///   by 5-15x on every depthwise layer of the suite, because a GEMM with one input channel
 ///   per group has nothing to reuse;
+/// - NCHW grouped convolutions with few channels a group, and stems with at most 4 input
+///   channels, run the direct kernels where the generator made one for their shape: GEMM
+///   reuses too little there (measured in `convkit bench`, see the README's table);
 /// - everything else runs im2col + GEMM, which takes every shape.
-fn choose(params: &ConvParams) -> Algorithm {
+fn choose(params: &ConvParams, isa: Isa) -> Algorithm {
+    let grouped = params.groups > 1 && params.groups < params.in_channels;
+    let few_channels = params.in_channels_per_group() <= DIRECT_MAX_CIN;
     if Depthwise::rejects(params).is_none() {
         Algorithm::Depthwise
+    } else if (grouped || params.groups == 1)
+        && few_channels
+        && Direct::rejects(params, isa).is_none()
+    {
+        Algorithm::Direct
     } else {
         Algorithm::Im2colGemm
     }
 }
+
+/// The most input channels per group the choice sends to the direct kernels.
+const DIRECT_MAX_CIN: usize = 16;
 
 /// A 1-D convolution: a thin front over [`Conv2d`] with height 1. Weights are
 /// `out x in/groups x kernel`; tensors are NCW (or NWC with `Layout::Nhwc`).

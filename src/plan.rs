@@ -1,6 +1,7 @@
 //! `Plan`: a convolution with its input size fixed; `run` checks lengths and runs.
 
 use crate::algo::depthwise::{Depthwise, DwPlan};
+use crate::algo::direct::DirectPlan;
 use crate::algo::im2col_gemm::GemmPlan;
 use crate::algo::Algorithm;
 use crate::conv::{ConvInner, Packed};
@@ -11,6 +12,7 @@ use std::sync::Arc;
 pub(crate) enum AlgoPlan {
     Im2colGemm(GemmPlan),
     Depthwise(DwPlan),
+    Direct(DirectPlan),
 }
 
 /// A convolution planned for one input size. Running it allocates nothing once the
@@ -60,6 +62,7 @@ impl Plan {
         4 * match &*self.algo {
             AlgoPlan::Im2colGemm(p) => p.workspace_floats(),
             AlgoPlan::Depthwise(p) => p.workspace_floats(),
+            AlgoPlan::Direct(_) => 0,
         }
     }
 
@@ -73,6 +76,7 @@ impl Plan {
         let kernel = match (&self.conv.packed, &*self.algo) {
             (Packed::Depthwise(_), AlgoPlan::Depthwise(p)) => Depthwise::kernel_name(p),
             (Packed::Im2colGemm(a), _) => a.kernel_name().to_string(),
+            (Packed::Direct(a), _) => a.kernel_name().to_string(),
             (Packed::Depthwise(_), _) => unreachable!("a depthwise convolution plans a DwPlan"),
         };
         format!("{}/{}", self.conv.algorithm, kernel)
@@ -144,6 +148,14 @@ impl Plan {
                 output,
                 c.params.activation,
                 scratch,
+            ),
+            (Packed::Direct(a), AlgoPlan::Direct(p)) => a.run(
+                p,
+                &self.geometry,
+                input,
+                residual,
+                output,
+                c.params.activation,
             ),
             _ => unreachable!("a plan is made by its convolution's algorithm"),
         }

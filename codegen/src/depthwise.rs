@@ -13,7 +13,7 @@
 //! stride and dilation at run time and is still vectorised.
 
 use crate::simd::{helpers, simd, simd_ymm, Simd};
-use crate::{lit, registry_entry_with, DwLayout, DwSpec, Isa};
+use crate::{lit, registry_entry_with, DirectSpec, DwLayout, DwSpec, Isa};
 use proc_macro2::{Ident, TokenStream};
 use quote::{format_ident, quote};
 
@@ -42,8 +42,9 @@ fn module(spec: &DwSpec) -> Ident {
     format_ident!("{}{ymm}", spec.isa.suffix())
 }
 
-/// All depthwise kernels of the table, one module per ISA variant, and their registry.
-pub fn emit_all(specs: &[DwSpec]) -> TokenStream {
+/// All depthwise kernels of the table and the direct kernels, one module per ISA variant
+/// (the two families share its helpers), and their registries.
+pub fn emit_all(specs: &[DwSpec], direct: &[DirectSpec]) -> TokenStream {
     let mut modules = TokenStream::new();
     for isa in Isa::ALL {
         for ymm in [false, true] {
@@ -64,15 +65,29 @@ pub fn emit_all(specs: &[DwSpec]) -> TokenStream {
                 DwLayout::Nchw => emit_nchw(&v, s),
                 DwLayout::Nhwc => emit_nhwc(&v, s),
             });
+            let directs: Vec<TokenStream> = direct
+                .iter()
+                .filter(|d| d.isa == isa && !ymm)
+                .map(|d| crate::direct::emit(&v, d))
+                .collect();
+            let direct_use = if directs.is_empty() {
+                quote!()
+            } else {
+                quote!(
+                    use crate::algo::direct::DirectArgs;
+                )
+            };
             modules.extend(quote! {
                 #cfg
                 pub mod #module {
                     #![allow(unused_unsafe, clippy::all)]
                     use crate::algo::depthwise::DwArgs;
+                    #direct_use
                     #uses
                     #helpers
                     #strided
                     #(#kernels)*
+                    #(#directs)*
                 }
             });
         }
@@ -104,13 +119,18 @@ pub fn emit_all(specs: &[DwSpec]) -> TokenStream {
             quote!(layout: #layout, fixed: #fixed, lanes: #module::LANES as usize, block: #block, ymm: #ymm,),
         )
     });
+    let direct_entries = direct.iter().map(crate::direct::registry_entry);
     quote! {
         use crate::algo::depthwise::DwKernel;
+        use crate::algo::direct::DirectKernel;
 
         #modules
 
         /// Every f32 depthwise kernel compiled for this target, from the generator's table.
         pub static DW_F32_KERNELS: &[DwKernel] = &[#(#entries)*];
+
+        /// Every f32 direct kernel compiled for this target, from the generator's table.
+        pub static DIRECT_F32_KERNELS: &[DirectKernel] = &[#(#direct_entries)*];
     }
 }
 
@@ -169,15 +189,38 @@ fn strided_helpers(v: &Simd) -> TokenStream {
     }
 }
 
+/// The vector of input row `p` (`ix0` its first column, `in_w` its width) an NCHW kernel's
+/// tap column `kx` multiplies: a plain load `inside` the image, else a masked one that reads
+/// zero for the padding; `paired` (stride 2): the even lanes of two vectors.
+pub(crate) fn tap_load(v: &Simd, inside: bool, paired: bool, kx_n: usize) -> TokenStream {
+    let (kx, ll, load) = (lit(kx_n), lit(v.lanes), &v.load);
+    match (inside, paired) {
+        (true, false) => quote!(#load(p.add(#kx))),
+        (true, true) => {
+            let kx2 = lit(kx_n + v.lanes);
+            quote!(evens(#load(p.add(#kx)), #load(p.add(#kx2))))
+        }
+        (false, false) => {
+            quote!(load_part(p.wrapping_add(#kx), -(ix0 + #kx), in_w - (ix0 + #kx)))
+        }
+        (false, true) => quote! {
+            evens(
+                load_part(p.wrapping_add(#kx), -(ix0 + #kx), in_w - (ix0 + #kx)),
+                load_part(p.wrapping_add(#kx + #ll), -(ix0 + #kx + #ll), in_w - (ix0 + #kx + #ll)),
+            )
+        },
+    }
+}
+
 /// Where an epilogue writes: the output offset (in floats), and `Some(n)` when only the first
 /// `n` lanes are in the tensor.
-struct Dest {
-    offset: TokenStream,
-    part: Option<TokenStream>,
+pub(crate) struct Dest {
+    pub offset: TokenStream,
+    pub part: Option<TokenStream>,
 }
 
 /// bias, residual, clamp and store of one accumulator.
-fn epilogue(v: &Simd, acc: &Ident, bias: TokenStream, dest: &Dest) -> TokenStream {
+pub(crate) fn epilogue(v: &Simd, acc: &Ident, bias: TokenStream, dest: &Dest) -> TokenStream {
     let (add, min, max, load, store) = (&v.add, &v.min, &v.max, &v.load, &v.store);
     let off = &dest.offset;
     let (res, st) = match &dest.part {
@@ -319,26 +362,7 @@ fn emit_nchw(v: &Simd, spec: &DwSpec) -> TokenStream {
                 .map(|r| (r, j - r * s))
                 .collect();
             let taps = (0..k).map(|kx_n| {
-                let kx = lit(kx_n);
-                let load = match (inside, paired) {
-                    (true, false) => {
-                        let load = &v.load;
-                        quote!(#load(p.add(#kx)))
-                    }
-                    (true, true) => {
-                        let (load, kx2) = (&v.load, lit(kx_n + l));
-                        quote!(evens(#load(p.add(#kx)), #load(p.add(#kx2))))
-                    }
-                    (false, false) => {
-                        quote!(load_part(p.wrapping_add(#kx), -(ix0 + #kx), in_w - (ix0 + #kx)))
-                    }
-                    (false, true) => quote! {
-                        evens(
-                            load_part(p.wrapping_add(#kx), -(ix0 + #kx), in_w - (ix0 + #kx)),
-                            load_part(p.wrapping_add(#kx + #ll), -(ix0 + #kx + #ll), in_w - (ix0 + #kx + #ll)),
-                        )
-                    },
-                };
+                let load = tap_load(v, inside, paired, kx_n);
                 let fmas = uses.iter().map(|&(r, ky)| {
                     let c = &accs[r];
                     let w = format_ident!("w{}", ky * k + kx_n);

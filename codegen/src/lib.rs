@@ -10,6 +10,7 @@ use proc_macro2::{Ident, Literal, Span, TokenStream};
 use quote::{format_ident, quote};
 
 mod depthwise;
+mod direct;
 mod gemm;
 mod layout;
 mod simd;
@@ -175,6 +176,37 @@ pub fn dw_f32() -> Vec<DwSpec> {
     specs
 }
 
+/// One f32 direct (dense or grouped) NCHW kernel: a fixed square `(kernel, stride)`,
+/// dilation 1, summing over any number of input channels.
+#[derive(Clone, Copy, Debug)]
+pub struct DirectSpec {
+    pub isa: Isa,
+    pub shape: (usize, usize),
+}
+
+impl DirectSpec {
+    pub fn name(&self) -> String {
+        let (k, s) = self.shape;
+        format!("direct_f32_k{k}s{s}_nchw_{}", self.isa.suffix())
+    }
+}
+
+/// The shapes that get a direct kernel: the grouped 3x3 of ResNeXt, the stride-2 stems of
+/// MobileNet (3x3) and ResNet (7x7). Other convolutions take im2col + GEMM.
+pub const DIRECT_SHAPES: &[(usize, usize)] = &[(3, 1), (3, 2), (7, 2)];
+
+/// The f32 direct kernels: every shape of [`DIRECT_SHAPES`] for every ISA.
+pub fn direct_f32() -> Vec<DirectSpec> {
+    Isa::ALL
+        .into_iter()
+        .flat_map(|isa| {
+            DIRECT_SHAPES
+                .iter()
+                .map(move |&shape| DirectSpec { isa, shape })
+        })
+        .collect()
+}
+
 /// A generated source file: its name and its formatted text.
 pub struct Generated {
     pub file: &'static str,
@@ -190,7 +222,7 @@ pub fn generate() -> Vec<Generated> {
         },
         Generated {
             file: "dw_f32.rs",
-            source: format_file(depthwise::emit_all(&dw_f32())),
+            source: format_file(depthwise::emit_all(&dw_f32(), &direct_f32())),
         },
         Generated {
             file: "layout.rs",

@@ -2,6 +2,7 @@
 //! and runs without allocating.
 
 pub mod depthwise;
+pub mod direct;
 pub(crate) mod im2col_gemm;
 
 use rayon::prelude::*;
@@ -19,14 +20,18 @@ pub enum Algorithm {
     /// Depthwise with the generic kernel (any kernel, stride, dilation), even where an
     /// unrolled one exists: for tests and benchmarks.
     DepthwiseGeneric,
+    /// Direct NCHW convolution straight from the input planes (dense or grouped), for the
+    /// kernel sizes and strides the generator made a kernel for.
+    Direct,
 }
 
 impl Algorithm {
     /// Every algorithm, in the order `convkit check` tries them.
-    pub const ALL: [Algorithm; 3] = [
+    pub const ALL: [Algorithm; 4] = [
         Algorithm::Im2colGemm,
         Algorithm::Depthwise,
         Algorithm::DepthwiseGeneric,
+        Algorithm::Direct,
     ];
 
     pub fn name(self) -> &'static str {
@@ -34,6 +39,7 @@ impl Algorithm {
             Algorithm::Im2colGemm => "im2col_gemm",
             Algorithm::Depthwise => "depthwise",
             Algorithm::DepthwiseGeneric => "depthwise_generic",
+            Algorithm::Direct => "direct",
         }
     }
 }

@@ -176,6 +176,11 @@ pub(crate) fn dw_f32() -> &'static [crate::algo::depthwise::DwKernel] {
     generated_dw::DW_F32_KERNELS
 }
 
+/// The generated direct kernels compiled for this target.
+pub(crate) fn direct_f32() -> &'static [crate::algo::direct::DirectKernel] {
+    generated_dw::DIRECT_F32_KERNELS
+}
+
 /// A kernel family of the registry.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
@@ -184,6 +189,8 @@ pub enum Family {
     Gemm,
     /// Depthwise kernels.
     Depthwise,
+    /// Direct (dense or grouped) NCHW kernels.
+    Direct,
 }
 
 /// One generated kernel, as the registry describes it: what tests and benchmarks iterate.
@@ -215,7 +222,14 @@ pub fn registry() -> Vec<KernelInfo> {
         layout: Some(k.layout),
         fixed: k.fixed,
     });
-    gemm.chain(dw).collect()
+    let direct = direct_f32().iter().map(|k| KernelInfo {
+        name: k.name,
+        isa: k.isa,
+        family: Family::Direct,
+        layout: Some(crate::Layout::Nchw),
+        fixed: Some(k.fixed),
+    });
+    gemm.chain(dw).chain(direct).collect()
 }
 
 /// The registry entry named `name`, or `Error::InvalidParameter` listing what there is.

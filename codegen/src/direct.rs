@@ -1,0 +1,163 @@
+//! The direct NCHW kernel emitter: dense and grouped convolutions computed straight from the
+//! input planes, without im2col.
+//!
+//! One call computes [`OCB`] output channels of a group over a band of output rows, summing
+//! over the group's input channels. It keeps `OCB x rows` vectors of outputs in registers and
+//! vectorises along the row, as the depthwise plane kernels do: each input vector loaded feeds
+//! every output row and channel it reaches, and each weight is a broadcast operand of its
+//! multiply-add. That suits what GEMM does badly: few input channels (stems, whose K is tiny)
+//! and few channels per group (ResNeXt's 4).
+
+use crate::depthwise::{epilogue, tap_load, Dest};
+use crate::simd::Simd;
+use crate::{lit, registry_entry_with, DirectSpec, Isa};
+use proc_macro2::{Ident, TokenStream};
+use quote::{format_ident, quote};
+
+/// Output channels one call computes (the weights are packed in blocks of this many).
+pub const OCB: usize = 4;
+
+/// Output rows kept in registers: `OCB x rows` accumulators must fit beside the loads.
+fn rows(isa: Isa) -> usize {
+    match isa {
+        Isa::Avx512 | Isa::Neon => 4,
+        Isa::Avx2 | Isa::Scalar => 2,
+    }
+}
+
+pub fn registry_entry(spec: &DirectSpec) -> TokenStream {
+    let module = format_ident!("{}", spec.isa.suffix());
+    let path = format_ident!("{}", spec.name());
+    let (k, s) = (lit(spec.shape.0), lit(spec.shape.1));
+    let (ocb, rows) = (lit(OCB), lit(rows(spec.isa)));
+    registry_entry_with(
+        "DirectKernel",
+        &spec.name(),
+        spec.isa,
+        quote!(#module::#path),
+        quote!(fixed: (#k, #s), ocb: #ocb, rows: #rows,),
+    )
+}
+
+pub fn emit(v: &Simd, spec: &DirectSpec) -> TokenStream {
+    let name = format_ident!("{}", spec.name());
+    let (k, s) = spec.shape;
+    let doc = format!(
+        " Direct f32 convolution, {k}x{k} stride {s}, NCHW, {}: output channels `0..noc` \
+         (at most {OCB}) of one group over output rows `oy0..oy1`, summed over the group's \
+         `cin` input planes; `weights` packed `[cin][{k}x{k}][{OCB}]`, `bias` {OCB} values.\n\n \
+         # Safety\n The CPU must have the ISA, and the pointers of `a` must cover the tensors \
+         its sizes describe.",
+        spec.isa.suffix()
+    );
+    let attrs = v.attrs();
+    let (zero, splat, fma) = (&v.zero, &v.splat, v.fma);
+    let l = v.lanes;
+    let ll = lit(l);
+    let r_n = rows(spec.isa);
+    let paired = s == 2 && l > 1;
+    let span = if paired { 2 * l } else { (l - 1) * s + 1 };
+    let reach = lit(k - 1 + span);
+    let accs: Vec<Vec<Ident>> = (0..OCB)
+        .map(|o| (0..r_n).map(|r| format_ident!("acc{}_{}", o, r)).collect())
+        .collect();
+    let block = |inside: bool| {
+        let decls = accs.iter().flatten().map(|c| quote!(let mut #c = #zero;));
+        let in_rows = (0..(r_n - 1) * s + k).map(|j| {
+            let uses: Vec<(usize, usize)> = (0..r_n)
+                .filter(|&r| j >= r * s && j - r * s < k)
+                .map(|r| (r, j - r * s))
+                .collect();
+            let taps = (0..k).map(|kx| {
+                let load = tap_load(v, inside, paired, kx);
+                let fmas = uses
+                    .iter()
+                    .flat_map(|&(r, ky)| (0..OCB).map(move |o| (r, ky, o)))
+                    .map(|(r, ky, o)| {
+                        let c = &accs[o][r];
+                        let w = lit((ky * k + kx) * OCB + o);
+                        let f = fma(quote!(#c), quote!(x), quote!(#splat(*wi.add(#w))));
+                        quote!(#c = #f;)
+                    });
+                quote! {
+                    let x = #load;
+                    #(#fmas)*
+                }
+            });
+            let j = lit(j);
+            quote! {
+                let iy = iy0 + #j;
+                if iy >= 0 && (iy as usize) < a.in_h {
+                    let p = plane.wrapping_offset(iy * in_w + ix0);
+                    #(#taps)*
+                }
+            }
+        });
+        let epis = accs
+            .iter()
+            .enumerate()
+            .flat_map(|(o, row)| row.iter().enumerate().map(move |(r, c)| (o, r, c)))
+            .map(|(o, r, c)| {
+                let (ol, rl, b) = (lit(o), lit(r), format_ident!("b{}", o));
+                let e = epilogue(
+                    v,
+                    c,
+                    quote!(#b),
+                    &Dest {
+                        offset: quote!(#ol * ohw + (oy + #rl) * a.ow + ox as usize),
+                        part: (!inside).then(|| quote!(((ow - ox) as usize).min(#ll))),
+                    },
+                );
+                // Channels past `noc` and rows past the band are computed but not stored.
+                match (o, r) {
+                    (0, 0) => e,
+                    (0, _) => quote!(if #rl < rows_left { #e }),
+                    (_, 0) => quote!(if #ol < a.noc { #e }),
+                    _ => quote!(if #ol < a.noc && #rl < rows_left { #e }),
+                }
+            });
+        let taps_per_channel = lit(k * k * OCB);
+        quote! {
+            #(#decls)*
+            for i in 0..a.cin {
+                let plane = a.input.add(i * a.in_h * a.in_w);
+                let wi = a.weights.add(i * #taps_per_channel);
+                #(#in_rows)*
+            }
+            #(#epis)*
+        }
+    };
+    let (full, edge) = (block(true), block(false));
+    let biases = (0..OCB).map(|o| {
+        let (b, ol) = (format_ident!("b{}", o), lit(o));
+        quote!(let #b = #splat(*a.bias.add(#ol));)
+    });
+    let (rows, sl) = (lit(r_n), lit(s));
+    quote! {
+        #[doc = #doc]
+        #attrs
+        pub unsafe fn #name(a: &DirectArgs) {
+            let (in_w, ow) = (a.in_w as isize, a.ow as isize);
+            let (pt, pl) = (a.pad_top as isize, a.pad_left as isize);
+            let ohw = a.oh * a.ow;
+            let (lo, hi) = (#splat(a.min), #splat(a.max));
+            #(#biases)*
+            let mut oy = a.oy0;
+            while oy < a.oy1 {
+                let rows_left = a.oy1 - oy;
+                let iy0 = (oy * #sl) as isize - pt;
+                let mut ox = 0isize;
+                while ox < ow {
+                    let ix0 = ox * #sl - pl;
+                    if ox + LANES <= ow && ix0 >= 0 && ix0 + #reach <= in_w {
+                        #full
+                    } else {
+                        #edge
+                    }
+                    ox += LANES;
+                }
+                oy += #rows;
+            }
+        }
+    }
+}
