@@ -89,7 +89,9 @@ fn shape(k: &KernelInfo, rng: &mut Rng) -> (ConvParams, usize, usize, usize) {
         _ => {
             let groups = int(rng, 1, 4);
             let (cin, cout) = (groups * int(rng, 1, 12), groups * int(rng, 1, 12));
-            let layout = [Layout::Nchw, Layout::Nhwc][int(rng, 0, 2)];
+            let layout = k
+                .layout
+                .unwrap_or([Layout::Nchw, Layout::Nhwc][int(rng, 0, 2)]);
             (
                 ConvParams::conv2d(cin, cout, kernel).with_groups(groups),
                 layout,
