@@ -194,7 +194,9 @@ impl Conv2d {
 fn choose(params: &ConvParams, isa: Isa) -> Algorithm {
     let grouped = params.groups > 1 && params.groups < params.in_channels;
     let few_channels = params.in_channels_per_group() <= DIRECT_MAX_CIN;
-    if Depthwise::rejects(params).is_none() {
+    // One input channel is "depthwise" too, but with many outputs per channel (wav2vec2's
+    // 1 -> 512 front end) it is a dense GEMM with K = kernel size, which GEMM does better.
+    if params.groups > 1 && Depthwise::rejects(params).is_none() {
         Algorithm::Depthwise
     } else if (grouped || params.groups == 1)
         && few_channels

@@ -343,6 +343,7 @@ fn emit_nchw(v: &Simd, spec: &DwSpec) -> TokenStream {
         };
     };
 
+    assert!(s <= 2, "{}: vector loads are strided by 1 or 2 only", spec.name());
     let paired = s == 2 && l > 1;
     // Floats one tap's vector load reads, from its first.
     let span = if paired { 2 * l } else { (l - 1) * s + 1 };
