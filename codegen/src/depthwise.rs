@@ -343,7 +343,11 @@ fn emit_nchw(v: &Simd, spec: &DwSpec) -> TokenStream {
         };
     };
 
-    assert!(s <= 2, "{}: vector loads are strided by 1 or 2 only", spec.name());
+    assert!(
+        s <= 2,
+        "{}: vector loads are strided by 1 or 2 only",
+        spec.name()
+    );
     let paired = s == 2 && l > 1;
     // Floats one tap's vector load reads, from its first.
     let span = if paired { 2 * l } else { (l - 1) * s + 1 };
@@ -514,7 +518,7 @@ fn emit_nhwc(v: &Simd, spec: &DwSpec) -> TokenStream {
                 c,
                 quote!(b),
                 &Dest {
-                    offset: quote!((oy * a.ow + ox as usize + #pl) * a.channels + c),
+                    offset: quote!((oy * a.ow + ox as usize + #pl) * chans + c),
                     part: part.then(|| quote!(n)),
                 },
             );
@@ -536,7 +540,7 @@ fn emit_nhwc(v: &Simd, spec: &DwSpec) -> TokenStream {
                 if iy < 0 || iy >= in_h {
                     continue;
                 }
-                let row = a.input.add(iy as usize * a.in_w * a.channels + c);
+                let row = a.input.add(iy as usize * a.in_w * chans + c);
                 for kx in 0..#kw {
                     let w = #load(a.weights.add((ky * #kw + kx) * a.wstride + c));
                     #(#fmas)*
@@ -575,7 +579,7 @@ fn emit_nhwc(v: &Simd, spec: &DwSpec) -> TokenStream {
                     c,
                     quote!(b),
                     &Dest {
-                        offset: quote!((oy * a.ow + ox as usize + #pl) * a.channels + c),
+                        offset: quote!((oy * a.ow + ox as usize + #pl) * chans + c),
                         part: None,
                     },
                 )
@@ -589,7 +593,7 @@ fn emit_nhwc(v: &Simd, spec: &DwSpec) -> TokenStream {
                     if iy < 0 || iy >= in_h {
                         continue;
                     }
-                    let row = a.input.add(iy as usize * a.in_w * a.channels + c);
+                    let row = a.input.add(iy as usize * a.in_w * chans + c);
                     let wrow = a.weights.add(ky * #kl * a.wstride + c);
                     #(#ws)*
                     #(#cols)*
@@ -599,16 +603,8 @@ fn emit_nhwc(v: &Simd, spec: &DwSpec) -> TokenStream {
         }
     };
     let (edge, part) = (block(false, false), block(false, true));
-    quote! {
-        #[doc = #doc]
-        #attrs
-        pub unsafe fn #name(a: &DwArgs) {
-            let (in_h, in_w, ow) = (a.in_h as isize, a.in_w as isize, a.ow as isize);
-            let (pt, pl) = (a.pad_top as isize, a.pad_left as isize);
-            let cs = a.channels as isize;
-            let (lo, hi) = (#splat(a.min), #splat(a.max));
-            // Input columns a block of pixels reads, from its first.
-            let reach = ((#xl - 1) * #sw + (#kw - 1) * #dw + 1) as isize;
+    let rows_loop = quote! {
+        let cs = chans as isize;
             for oy in a.oy0..a.oy1 {
                 let iy0 = (oy * #sh) as isize - pt;
                 let mut ox = 0isize;
@@ -617,7 +613,7 @@ fn emit_nhwc(v: &Simd, spec: &DwSpec) -> TokenStream {
                     let np = ((ow - ox) as usize).min(#xl);
                     let all_in = np == #xl && ix0 >= 0 && ix0 + reach <= in_w;
                     let mut c = 0;
-                    while c + #ll <= a.channels {
+                    while c + #ll <= chans {
                         if all_in {
                             #inside
                         } else {
@@ -625,12 +621,31 @@ fn emit_nhwc(v: &Simd, spec: &DwSpec) -> TokenStream {
                         }
                         c += #ll;
                     }
-                    if c < a.channels {
-                        let n = a.channels - c;
+                    if c < chans {
+                        let n = chans - c;
                         #part
                     }
                     ox += #xl as isize;
                 }
+            }
+    };
+    quote! {
+        #[doc = #doc]
+        #attrs
+        pub unsafe fn #name(a: &DwArgs) {
+            let (in_h, in_w, ow) = (a.in_h as isize, a.in_w as isize, a.ow as isize);
+            let (pt, pl) = (a.pad_top as isize, a.pad_left as isize);
+            let (lo, hi) = (#splat(a.min), #splat(a.max));
+            // Input columns a block of pixels reads, from its first.
+            let reach = ((#xl - 1) * #sw + (#kw - 1) * #dw + 1) as isize;
+            // Pixels of 16 channels (the blocked NCHW mode's) get their own copy of the loop,
+            // where every address is a constant offset from a row pointer.
+            if a.channels == 16 {
+                let chans = 16;
+                #rows_loop
+            } else {
+                let chans = a.channels;
+                #rows_loop
             }
         }
     }

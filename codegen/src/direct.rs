@@ -42,7 +42,11 @@ pub fn registry_entry(spec: &DirectSpec) -> TokenStream {
 pub fn emit(v: &Simd, spec: &DirectSpec) -> TokenStream {
     let name = format_ident!("{}", spec.name());
     let (k, s) = spec.shape;
-    assert!(s <= 2, "{}: vector loads are strided by 1 or 2 only", spec.name());
+    assert!(
+        s <= 2,
+        "{}: vector loads are strided by 1 or 2 only",
+        spec.name()
+    );
     let doc = format!(
         " Direct f32 convolution, {k}x{k} stride {s}, NCHW, {}: output channels `0..noc` \
          (at most {OCB}) of one group over output rows `oy0..oy1`, summed over the group's \
