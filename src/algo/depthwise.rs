@@ -115,8 +115,8 @@ pub(crate) struct DwPlan {
     items: usize,
     /// Blocked: the padded input (`hp x wp`) and output (`oh x owp`) sizes of the scratch.
     padded: (usize, usize, usize),
-    /// Blocked: scratch floats a worker needs (padded input pixels, unpadded pixels, output
-    /// pixels of one block).
+    /// Blocked: scratch floats a worker needs (padded input pixels, output pixels of one
+    /// block).
     scratch_per_worker: usize,
 }
 
@@ -298,7 +298,7 @@ impl Depthwise {
             items,
             padded: (hp, wp, owp),
             scratch_per_worker: match mode {
-                Mode::Blocked => BLOCK * (hp * wp + (g.h * g.w).max(g.oh * g.ow) + g.oh * owp),
+                Mode::Blocked => BLOCK * (hp * wp + g.oh * owp),
                 _ => 0,
             },
         }
@@ -424,8 +424,7 @@ impl Depthwise {
                         )
                     };
                     let (hp, wp, owp) = plan.padded;
-                    let (pix_in, s) = s.split_at_mut(BLOCK * hp * wp);
-                    let (flat, pix_out) = s.split_at_mut(BLOCK * hw.max(ohw));
+                    let (pix_in, pix_out) = s.split_at_mut(BLOCK * hp * wp);
                     let first = (n * g.c_out + c0) * hw;
                     to_pixels(
                         self.transpose,
@@ -433,7 +432,6 @@ impl Depthwise {
                         g,
                         wp,
                         cb,
-                        flat,
                         &mut pix_in[..cb * hp * wp],
                     );
                     let o = (n * g.c_out + c0) * ohw;
@@ -469,7 +467,6 @@ impl Depthwise {
                         g,
                         owp,
                         cb,
-                        flat,
                         dst,
                         res,
                         min,
@@ -510,56 +507,28 @@ fn blocked_wins(g: &Geometry, channel_kernel: &DwKernel) -> bool {
     }
 }
 
-/// `dst[j][i] = src[i][j]` for `src` of `rows x cols` (`dst` is `cols x rows`), 8x8 blocks
-/// at a time.
-fn transpose(t: Transpose8x8, src: &[f32], rows: usize, cols: usize, dst: &mut [f32]) {
-    assert!(src.len() >= rows * cols && dst.len() >= rows * cols);
-    let (r8, c8) = (rows / 8 * 8, cols / 8 * 8);
-    for i in (0..r8).step_by(8) {
-        for j in (0..c8).step_by(8) {
-            // SAFETY: rows i..i+8 and columns j..j+8 of both matrices lie inside them
-            // (asserted above); the kernel's ISA is this CPU's (checked at creation).
-            unsafe {
-                t(
-                    src[i * cols + j..].as_ptr(),
-                    cols,
-                    dst[j * rows + i..].as_mut_ptr(),
-                    rows,
-                )
-            };
-        }
-    }
-    for i in 0..rows {
-        let j0 = if i < r8 { c8 } else { 0 };
-        for j in j0..cols {
-            dst[j * rows + i] = src[i * cols + j];
-        }
-    }
-}
-
 /// `cb` planes of the input (`src`) into pixels of `cb` channels (`dst`: rows `wp` pixels
-/// wide, the padding of `g` around the image zeroed), through `flat` (unpadded pixels).
-fn to_pixels(
-    t: Transpose8x8,
-    src: &[f32],
-    g: &Geometry,
-    wp: usize,
-    cb: usize,
-    flat: &mut [f32],
-    dst: &mut [f32],
-) {
+/// wide, the padding of `g` around the image zeroed), 8 channels x 8 pixels at a time.
+fn to_pixels(t: Transpose8x8, src: &[f32], g: &Geometry, wp: usize, cb: usize, dst: &mut [f32]) {
     let (w, hw) = (g.w, g.h * g.w);
-    transpose(t, src, cb, hw, flat);
-    dst.fill(0.0);
-    for y in 0..g.h {
-        let d = ((y + g.pad_top) * wp + g.pad_left) * cb;
-        dst[d..d + w * cb].copy_from_slice(&flat[y * w * cb..(y + 1) * w * cb]);
+    let hp = dst.len() / (wp * cb);
+    // Only the padding needs zeros: the image's pixels are all written below.
+    for y in 0..hp {
+        let row = &mut dst[y * wp * cb..(y + 1) * wp * cb];
+        if y < g.pad_top || y >= g.pad_top + g.h {
+            row.fill(0.0);
+        } else {
+            row[..g.pad_left * cb].fill(0.0);
+            row[(g.pad_left + w) * cb..].fill(0.0);
+        }
     }
+    let at = |p: usize| ((p / w + g.pad_top) * wp + p % w + g.pad_left) * cb;
+    blocks(t, src, hw, cb, |p| (at(p), p % w + 8 <= w), dst, Direction::ToPixels);
 }
 
 /// Pixels of `cb` channels (`src`, rows `owp` pixels wide) back into `cb` output planes
-/// (`dst`) through `flat`, then the residual (shaped like `dst`) added and the clamp applied
-/// when there is one.
+/// (`dst`), 8 channels x 8 pixels at a time, then the residual (shaped like `dst`) added and
+/// the clamp applied when there is one.
 #[allow(clippy::too_many_arguments)]
 fn to_planes(
     t: Transpose8x8,
@@ -567,20 +536,89 @@ fn to_planes(
     g: &Geometry,
     owp: usize,
     cb: usize,
-    flat: &mut [f32],
     dst: &mut [f32],
     residual: Option<&[f32]>,
     min: f32,
     max: f32,
 ) {
-    let row = g.ow * cb;
-    for y in 0..g.oh {
-        flat[y * row..(y + 1) * row].copy_from_slice(&src[y * owp * cb..][..row]);
-    }
-    transpose(t, flat, g.oh * g.ow, cb, dst);
+    let ow = g.ow;
+    let at = |p: usize| ((p / ow) * owp + p % ow) * cb;
+    blocks(t, src, g.oh * ow, cb, |p| (at(p), p % ow + 8 <= ow), dst, Direction::ToPlanes);
     if let Some(r) = residual {
         for (v, &r) in dst.iter_mut().zip(r) {
             *v = (*v + r).max(min).min(max);
+        }
+    }
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Direction {
+    ToPixels,
+    ToPlanes,
+}
+
+/// Moves `cb` planes of `n` pixels (plane-major, `planes`) to or from pixels of `cb` channels
+/// (`pixels`, pixel `p` at offset `at(p).0`; `at(p).1` when pixels `p..p+8` are contiguous
+/// there). 8x8 blocks go through the transpose kernel, straight where the 8 pixels are
+/// contiguous, else through a small tile; the ragged rest element by element.
+fn blocks(
+    t: Transpose8x8,
+    src: &[f32],
+    n: usize,
+    cb: usize,
+    at: impl Fn(usize) -> (usize, bool),
+    dst: &mut [f32],
+    dir: Direction,
+) {
+    let (planes_len, pixels_len) = match dir {
+        Direction::ToPixels => (src.len(), dst.len()),
+        Direction::ToPlanes => (dst.len(), src.len()),
+    };
+    assert!(planes_len >= cb * n && (n == 0 || at(n - 1).0 + cb <= pixels_len));
+    let (c8, n8) = (cb / 8 * 8, n / 8 * 8);
+    let mut tile = [0.0f32; 64];
+    for c0 in (0..c8).step_by(8) {
+        for p0 in (0..n8).step_by(8) {
+            let plane = c0 * n + p0;
+            let (px, contiguous) = at(p0);
+            // SAFETY (every call below): 8 rows of 8 floats from each pointer, with the
+            // strides given, lie inside the slices: planes `c0..c0+8` hold pixels
+            // `p0..p0+8` (asserted length), and pixel `p`'s channels `c0..c0+8` sit at
+            // `at(p).0 + c0` (the last pixel's end is asserted), contiguous for the 8 pixels
+            // when `contiguous`; the tile is 8x8. The kernel's ISA is this CPU's.
+            match (dir, contiguous) {
+                (Direction::ToPixels, true) => unsafe {
+                    t(src[plane..].as_ptr(), n, dst[px + c0..].as_mut_ptr(), cb)
+                },
+                (Direction::ToPlanes, true) => unsafe {
+                    t(src[px + c0..].as_ptr(), cb, dst[plane..].as_mut_ptr(), n)
+                },
+                (Direction::ToPixels, false) => {
+                    unsafe { t(src[plane..].as_ptr(), n, tile.as_mut_ptr(), 8) };
+                    for (i, row) in tile.chunks_exact(8).enumerate() {
+                        let d = at(p0 + i).0 + c0;
+                        dst[d..d + 8].copy_from_slice(row);
+                    }
+                }
+                (Direction::ToPlanes, false) => {
+                    for (i, row) in tile.chunks_exact_mut(8).enumerate() {
+                        let s = at(p0 + i).0 + c0;
+                        row.copy_from_slice(&src[s..s + 8]);
+                    }
+                    unsafe { t(tile.as_ptr(), 8, dst[plane..].as_mut_ptr(), n) };
+                }
+            }
+        }
+    }
+    // The ragged rest: pixels past the last whole 8, channels past the last whole 8.
+    for c in 0..cb {
+        let p_start = if c < c8 { n8 } else { 0 };
+        for p in p_start..n {
+            let px = at(p).0 + c;
+            match dir {
+                Direction::ToPixels => dst[px] = src[c * n + p],
+                Direction::ToPlanes => dst[c * n + p] = src[px],
+            }
         }
     }
 }
