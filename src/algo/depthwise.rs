@@ -494,14 +494,15 @@ impl Depthwise {
 }
 
 /// The rule between the NCHW modes, from `convkit bench` on the suite's depthwise layers (one
-/// thread, AMD EPYC Zen 4 with AVX-512, medians of interleaved runs, GFLOP/s planes vs
-/// blocked): 7x7 kernels gain from blocking at every size (7x7 image 25-33 vs 38-44, 14x14
-/// 41-51 vs 41-51, 28x28 44-57 vs 41-52, 56x56 43-60 vs 45-52: the channel kernel's loads
-/// are a seventh of its multiply-adds), 3x3 kernels only on images at most 8 wide (7x7: 9-14
-/// vs 12-17; 28x28: 25-35 vs 14-16), 5x5 never (28x28: 31-46 vs 28-39).
+/// thread, AMD EPYC Zen 4 with AVX-512, three interleaved rounds, GFLOP/s planes vs blocked):
+/// 5x5 and 7x7 kernels gain from blocking at every size (5x5 on 28x28: 31-36 vs 43-46; 7x7
+/// on 56x56 about 50 vs 72-78, on 7x7 25-33 vs 42-56: the channel kernel's loads are a
+/// fraction of its multiply-adds and its addresses constant offsets), 3x3 kernels only on
+/// images at most 8 wide (7x7: 9-14 vs 14-21; 28x28: 22-31 vs 23-24; 112x112: 40-41 vs
+/// 26-28; stride 2 on 112x112: 10-13 vs 11-13).
 fn blocked_wins(g: &Geometry, channel_kernel: &DwKernel) -> bool {
     match channel_kernel.fixed {
-        Some((7, _)) => true,
+        Some((k, _)) if k >= 5 => true,
         Some(_) => g.ow <= 8,
         None => false,
     }
