@@ -351,7 +351,6 @@ fn emit_nchw(v: &Simd, spec: &DwSpec) -> TokenStream {
     let paired = s == 2 && l > 1;
     // Floats one tap's vector load reads, from its first.
     let span = if paired { 2 * l } else { (l - 1) * s + 1 };
-    let reach = lit(k - 1 + span);
     let weights = (0..k * k).map(|i| {
         let w = format_ident!("w{}", i);
         let i = lit(i);
@@ -418,14 +417,36 @@ fn emit_nchw(v: &Simd, spec: &DwSpec) -> TokenStream {
         }
     };
     let rows_n = rows(spec);
-    let (full, edge) = (block(rows_n, true), block(rows_n, false));
-    let (rows, sl) = (lit(rows_n), lit(s));
+    let body = row_blocks(
+        rows_n,
+        s,
+        k - 1 + span,
+        block(rows_n, true),
+        block(rows_n, false),
+    );
     quote! {
         #[doc = #doc]
         #attrs
         pub unsafe fn #name(a: &DwArgs) {
             #head
             #(#weights)*
+            #body
+        }
+    }
+}
+
+/// The loop of an NCHW kernel over blocks of `rows` output rows and one vector of columns:
+/// `full` where every tap of the block lands inside the row (`reach` floats from the first),
+/// `edge` elsewhere. Blocks see `oy`, `rows_left`, `iy0`, `ox` and `ix0`.
+pub(crate) fn row_blocks(
+    rows: usize,
+    stride: usize,
+    reach: usize,
+    full: TokenStream,
+    edge: TokenStream,
+) -> TokenStream {
+    let (rows, sl, reach) = (lit(rows), lit(stride), lit(reach));
+    quote! {
             let mut oy = a.oy0;
             while oy < a.oy1 {
                 let rows_left = a.oy1 - oy;
@@ -442,7 +463,6 @@ fn emit_nchw(v: &Simd, spec: &DwSpec) -> TokenStream {
                 }
                 oy += #rows;
             }
-        }
     }
 }
 

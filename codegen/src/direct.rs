@@ -8,7 +8,7 @@
 //! multiply-add. That suits what GEMM does badly: few input channels (stems, whose K is tiny)
 //! and few channels per group (ResNeXt's 4).
 
-use crate::depthwise::{epilogue, tap_load, Dest};
+use crate::depthwise::{epilogue, row_blocks, tap_load, Dest};
 use crate::simd::Simd;
 use crate::{lit, registry_entry_with, DirectSpec, Isa};
 use proc_macro2::{Ident, TokenStream};
@@ -62,7 +62,6 @@ pub fn emit(v: &Simd, spec: &DirectSpec) -> TokenStream {
     let r_n = rows(spec.isa);
     let paired = s == 2 && l > 1;
     let span = if paired { 2 * l } else { (l - 1) * s + 1 };
-    let reach = lit(k - 1 + span);
     let accs: Vec<Vec<Ident>> = (0..OCB)
         .map(|o| (0..r_n).map(|r| format_ident!("acc{}_{}", o, r)).collect())
         .collect();
@@ -132,12 +131,11 @@ pub fn emit(v: &Simd, spec: &DirectSpec) -> TokenStream {
             #(#epis)*
         }
     };
-    let (full, edge) = (block(true), block(false));
+    let body = row_blocks(r_n, s, k - 1 + span, block(true), block(false));
     let biases = (0..OCB).map(|o| {
         let (b, ol) = (format_ident!("b{}", o), lit(o));
         quote!(let #b = #splat(*a.bias.add(#ol));)
     });
-    let (rows, sl) = (lit(r_n), lit(s));
     quote! {
         #[doc = #doc]
         #attrs
@@ -147,22 +145,7 @@ pub fn emit(v: &Simd, spec: &DirectSpec) -> TokenStream {
             let ohw = a.oh * a.ow;
             let (lo, hi) = (#splat(a.min), #splat(a.max));
             #(#biases)*
-            let mut oy = a.oy0;
-            while oy < a.oy1 {
-                let rows_left = a.oy1 - oy;
-                let iy0 = (oy * #sl) as isize - pt;
-                let mut ox = 0isize;
-                while ox < ow {
-                    let ix0 = ox * #sl - pl;
-                    if ox + LANES <= ow && ix0 >= 0 && ix0 + #reach <= in_w {
-                        #full
-                    } else {
-                        #edge
-                    }
-                    ox += LANES;
-                }
-                oy += #rows;
-            }
+            #body
         }
     }
 }

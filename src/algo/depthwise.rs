@@ -524,7 +524,15 @@ fn to_pixels(t: Transpose8x8, src: &[f32], g: &Geometry, wp: usize, cb: usize, d
         }
     }
     let at = |p: usize| ((p / w + g.pad_top) * wp + p % w + g.pad_left) * cb;
-    blocks(t, src, hw, cb, |p| (at(p), p % w + 8 <= w), dst, Direction::ToPixels);
+    blocks(
+        t,
+        src,
+        hw,
+        cb,
+        |p| (at(p), p % w + 8 <= w),
+        dst,
+        Direction::ToPixels,
+    );
 }
 
 /// Pixels of `cb` channels (`src`, rows `owp` pixels wide) back into `cb` output planes
@@ -544,7 +552,15 @@ fn to_planes(
 ) {
     let ow = g.ow;
     let at = |p: usize| ((p / ow) * owp + p % ow) * cb;
-    blocks(t, src, g.oh * ow, cb, |p| (at(p), p % ow + 8 <= ow), dst, Direction::ToPlanes);
+    blocks(
+        t,
+        src,
+        g.oh * ow,
+        cb,
+        |p| (at(p), p % ow + 8 <= ow),
+        dst,
+        Direction::ToPlanes,
+    );
     if let Some(r) = residual {
         for (v, &r) in dst.iter_mut().zip(r) {
             *v = (*v + r).max(min).min(max);
