@@ -190,26 +190,48 @@ fn strided_helpers(v: &Simd) -> TokenStream {
 }
 
 /// The vector of input row `p` (`ix0` its first column, `in_w` its width) an NCHW kernel's
-/// tap column `kx` multiplies: a plain load `inside` the image, else a masked one that reads
-/// zero for the padding; `paired` (stride 2): the even lanes of two vectors.
+/// tap column `kx` multiplies: a plain load `inside` the image, else a masked one (masks from
+/// [`edge_masks`]) that reads zero for the padding; `paired` (stride 2): the even lanes of two
+/// vectors.
 pub(crate) fn tap_load(v: &Simd, inside: bool, paired: bool, kx_n: usize) -> TokenStream {
-    let (kx, ll, load) = (lit(kx_n), lit(v.lanes), &v.load);
+    let (kx, load) = (lit(kx_n), &v.load);
+    let (m, m2) = (format_ident!("m{}", kx_n), format_ident!("m{}_hi", kx_n));
     match (inside, paired) {
         (true, false) => quote!(#load(p.add(#kx))),
         (true, true) => {
             let kx2 = lit(kx_n + v.lanes);
             quote!(evens(#load(p.add(#kx)), #load(p.add(#kx2))))
         }
-        (false, false) => {
-            quote!(load_part(p.wrapping_add(#kx), -(ix0 + #kx), in_w - (ix0 + #kx)))
+        (false, false) => quote!(load_masked(p.wrapping_add(#kx), #m)),
+        (false, true) => {
+            let kx2 = lit(kx_n + v.lanes);
+            quote!(evens(
+                load_masked(p.wrapping_add(#kx), #m),
+                load_masked(p.wrapping_add(#kx2), #m2)
+            ))
         }
-        (false, true) => quote! {
-            evens(
-                load_part(p.wrapping_add(#kx), -(ix0 + #kx), in_w - (ix0 + #kx)),
-                load_part(p.wrapping_add(#kx + #ll), -(ix0 + #kx + #ll), in_w - (ix0 + #kx + #ll)),
-            )
-        },
     }
+}
+
+/// The lane masks of an edge block's `k` tap columns, the same for every row it loads
+/// (`m{kx}`, and `m{kx}_hi` for the second vector of a stride-2 pair).
+pub(crate) fn edge_masks(v: &Simd, paired: bool, k: usize) -> TokenStream {
+    let ms = (0..k).map(|kx_n| {
+        let (kx, m, m2) = (
+            lit(kx_n),
+            format_ident!("m{}", kx_n),
+            format_ident!("m{}_hi", kx_n),
+        );
+        let hi = paired.then(|| {
+            let kx2 = lit(kx_n + v.lanes);
+            quote!(let #m2 = part_mask(-(ix0 + #kx2), in_w - (ix0 + #kx2));)
+        });
+        quote! {
+            let #m = part_mask(-(ix0 + #kx), in_w - (ix0 + #kx));
+            #hi
+        }
+    });
+    quote!(#(#ms)*)
 }
 
 /// Where an epilogue writes: the output offset (in floats), and `Some(n)` when only the first
@@ -410,8 +432,10 @@ fn emit_nchw(v: &Simd, spec: &DwSpec) -> TokenStream {
                 }
             }
         });
+        let masks = (!inside).then(|| edge_masks(v, paired, k));
         quote! {
             #(#decls)*
+            #masks
             #(#in_rows)*
             #(#epis)*
         }

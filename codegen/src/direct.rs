@@ -8,7 +8,7 @@
 //! multiply-add. That suits what GEMM does badly: few input channels (stems, whose K is tiny)
 //! and few channels per group (ResNeXt's 4).
 
-use crate::depthwise::{epilogue, row_blocks, tap_load, Dest};
+use crate::depthwise::{edge_masks, epilogue, row_blocks, tap_load, Dest};
 use crate::simd::Simd;
 use crate::{lit, registry_entry_with, DirectSpec, Isa};
 use proc_macro2::{Ident, TokenStream};
@@ -121,8 +121,10 @@ pub fn emit(v: &Simd, spec: &DirectSpec) -> TokenStream {
                 }
             });
         let taps_per_channel = lit(k * k * OCB);
+        let masks = (!inside).then(|| edge_masks(v, paired, k));
         quote! {
             #(#decls)*
+            #masks
             for i in 0..a.cin {
                 let plane = a.input.add(i * a.in_h * a.in_w);
                 let wi = a.weights.add(i * #taps_per_channel);

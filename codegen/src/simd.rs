@@ -130,9 +130,13 @@ pub fn helpers(v: &Simd) -> TokenStream {
     let attrs = v.attrs();
     let ty = &v.ty;
     let lanes = proc_macro2::Literal::isize_unsuffixed(v.lanes as isize);
-    let (load_part, store_part, evens) = match (v.isa, v.lanes) {
+    // Per ISA: the mask type, the mask of lanes `lo..hi`, a load under a mask, a store of the
+    // first `n` lanes, and the even lanes of two vectors.
+    let (mask_ty, part_mask, load_masked, store_part, evens) = match (v.isa, v.lanes) {
         (Isa::Scalar, _) => (
-            quote!(if lo <= 0 && 0 < hi { *p } else { 0.0 }),
+            quote!(bool),
+            quote!(lo <= 0 && 0 < hi),
+            quote!(if m { *p } else { 0.0 }),
             quote!(if n > 0 {
                 *p = x;
             }),
@@ -142,12 +146,13 @@ pub fn helpers(v: &Simd) -> TokenStream {
             }),
         ),
         (Isa::Avx512, 8) => (
+            quote!(__mmask8),
             quote! {
                 let (lo, hi) = (lo.clamp(0, 8) as u32, hi.clamp(0, 8) as u32);
-                let m = ((1u32 << hi) - 1) & !((1u32 << lo) - 1);
-                // Lanes outside the mask are not read (fault suppression).
-                _mm256_maskz_loadu_ps(m as __mmask8, p)
+                (((1u32 << hi) - 1) & !((1u32 << lo) - 1)) as __mmask8
             },
+            // Lanes outside the mask are not read (fault suppression).
+            quote!(_mm256_maskz_loadu_ps(m, p)),
             quote! {
                 let m = ((1u32 << n.min(8)) - 1) as __mmask8;
                 _mm256_mask_storeu_ps(p, m, x)
@@ -159,12 +164,13 @@ pub fn helpers(v: &Simd) -> TokenStream {
             )),
         ),
         (Isa::Avx512, _) => (
+            quote!(__mmask16),
             quote! {
                 let (lo, hi) = (lo.clamp(0, 16) as u32, hi.clamp(0, 16) as u32);
-                let m = ((1u32 << hi) - 1) & !((1u32 << lo) - 1);
-                // SAFETY (caller): lanes outside the mask are not read (fault suppression).
-                _mm512_maskz_loadu_ps(m as __mmask16, p)
+                (((1u32 << hi) - 1) & !((1u32 << lo) - 1)) as __mmask16
             },
+            // Lanes outside the mask are not read (fault suppression).
+            quote!(_mm512_maskz_loadu_ps(m, p)),
             quote! {
                 let m = ((1u32 << n.min(16)) - 1) as __mmask16;
                 _mm512_mask_storeu_ps(p, m, x)
@@ -176,16 +182,17 @@ pub fn helpers(v: &Simd) -> TokenStream {
             )),
         ),
         (Isa::Avx2, _) => (
+            quote!(__m256i),
             quote! {
                 let iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
                 let (lo, hi) = (lo.clamp(0, 8) as i32, hi.clamp(0, 8) as i32);
-                let m = _mm256_and_si256(
+                _mm256_and_si256(
                     _mm256_cmpgt_epi32(iota, _mm256_set1_epi32(lo - 1)),
                     _mm256_cmpgt_epi32(_mm256_set1_epi32(hi), iota),
-                );
-                // Lanes outside the mask are not read (fault suppression).
-                _mm256_maskload_ps(p, m)
+                )
             },
+            // Lanes outside the mask are not read (fault suppression).
+            quote!(_mm256_maskload_ps(p, m)),
             // Not `vmaskmovps` to memory: AMD cores microcode it (over ten cycles a store).
             // Halves, then quarters, then one float.
             quote! {
@@ -215,11 +222,13 @@ pub fn helpers(v: &Simd) -> TokenStream {
             ))),
         ),
         (Isa::Neon, _) => (
+            quote!((isize, isize)),
+            quote!((lo, hi)),
             quote! {
                 let mut t = [0.0f32; 4];
                 for (i, t) in t.iter_mut().enumerate() {
                     let i = i as isize;
-                    if lo <= i && i < hi {
+                    if m.0 <= i && i < m.1 {
                         *t = *p.wrapping_offset(i);
                     }
                 }
@@ -242,7 +251,28 @@ pub fn helpers(v: &Simd) -> TokenStream {
         #[inline]
         #attrs
         unsafe fn load_part(p: *const f32, lo: isize, hi: isize) -> #ty {
-            #load_part
+            load_masked(p, part_mask(lo, hi))
+        }
+
+        /// What selects lanes of a vector.
+        type Mask = #mask_ty;
+
+        /// The mask of lanes `lo..hi` (clamped to the vector): computed once where many loads
+        /// share it.
+        #[inline]
+        #attrs
+        unsafe fn part_mask(lo: isize, hi: isize) -> Mask {
+            #part_mask
+        }
+
+        /// The lanes of the vector at `p` that `m` selects, zero elsewhere; only those are read.
+        ///
+        /// # Safety
+        /// `p.wrapping_offset(i)` must be readable for every lane `i` that `m` selects.
+        #[inline]
+        #attrs
+        unsafe fn load_masked(p: *const f32, m: Mask) -> #ty {
+            #load_masked
         }
 
         /// Stores the first `n` lanes of `x` at `p`.
