@@ -28,6 +28,9 @@ fn rows(spec: &DwSpec) -> usize {
     }
 }
 
+/// Output rows the generic NCHW kernel keeps in registers.
+const GENERIC_ROWS: usize = 4;
+
 /// Output pixels an NHWC kernel keeps in registers per channel vector (registers allowing).
 fn pixels(isa: Isa) -> usize {
     match isa {
@@ -302,24 +305,54 @@ fn emit_nchw(v: &Simd, spec: &DwSpec) -> TokenStream {
         let (lo, hi) = (#splat(a.min), #splat(a.max));
     };
     let Some((k, s)) = spec.shape else {
-        let acc = format_ident!("acc");
-        let epi = |part: bool| {
-            epilogue(
-                v,
-                &acc,
-                quote!(bias),
-                &Dest {
-                    offset: quote!(oy * a.ow + ox as usize),
-                    part: part.then(|| quote!(((ow - ox) as usize).min(#ll))),
-                },
-            )
+        // The generic kernel keeps GENERIC_ROWS output rows in flight, so that as many chains
+        // of multiply-adds run side by side (one row alone waits on each one's latency).
+        let accs: Vec<Ident> = (0..GENERIC_ROWS)
+            .map(|r| format_ident!("acc{}", r))
+            .collect();
+        let decls = accs.iter().map(|c| quote!(let mut #c = #zero;));
+        let row_ptrs = (0..GENERIC_ROWS).map(|r| {
+            let (ok, row, rl) = (format_ident!("ok{}", r), format_ident!("row{}", r), lit(r));
+            quote! {
+                let iy = (oy + #rl) as isize * sh + ky as isize * dh - pt;
+                let #ok = iy >= 0 && (iy as usize) < a.in_h;
+                let #row = a.input.wrapping_offset(iy * in_w);
+            }
+        });
+        let taps = accs.iter().enumerate().map(|(r, c)| {
+            let (ok, row) = (format_ident!("ok{}", r), format_ident!("row{}", r));
+            let f = fma(quote!(#c), quote!(x), quote!(w));
+            quote! {
+                if #ok {
+                    let x = if inside {
+                        load_strided(#row.offset(start), sw)
+                    } else {
+                        load_strided_part(#row.wrapping_offset(start), sw, -start, in_w - start)
+                    };
+                    #c = #f;
+                }
+            }
+        });
+        let epi = |part: bool| -> Vec<TokenStream> {
+            accs.iter()
+                .enumerate()
+                .map(|(r, c)| {
+                    let rl = lit(r);
+                    let e = epilogue(
+                        v,
+                        c,
+                        quote!(bias),
+                        &Dest {
+                            offset: quote!((oy + #rl) * a.ow + ox as usize),
+                            part: part.then(|| quote!(((ow - ox) as usize).min(#ll))),
+                        },
+                    );
+                    quote!(if #rl < rows_left { #e })
+                })
+                .collect()
         };
         let (epi_full, epi_part) = (epi(false), epi(true));
-        let fma_tap = fma(
-            quote!(acc),
-            quote!(x),
-            quote!(#splat(*a.weights.add(ky * a.kw + kx))),
-        );
+        let rows = lit(GENERIC_ROWS);
         return quote! {
             #[doc = #doc]
             #attrs
@@ -330,36 +363,30 @@ fn emit_nchw(v: &Simd, spec: &DwSpec) -> TokenStream {
                 // Floats one vector's strided load reads from its first tap.
                 let span = if sw == 2 && LANES > 1 { 2 * LANES } else { (LANES - 1) * sw + 1 };
                 let reach = (a.kw as isize - 1) * dw + span;
-                for oy in a.oy0..a.oy1 {
-                    let iy0 = oy as isize * sh - pt;
+                let mut oy = a.oy0;
+                while oy < a.oy1 {
+                    let rows_left = a.oy1 - oy;
                     let mut ox = 0isize;
                     while ox < ow {
                         let ix0 = ox * sw - pl;
                         let inside = ox + LANES <= ow && ix0 >= 0 && ix0 + reach <= in_w;
-                        let mut acc = #zero;
+                        #(#decls)*
                         for ky in 0..a.kh {
-                            let iy = iy0 + ky as isize * dh;
-                            if iy < 0 || iy as usize >= a.in_h {
-                                continue;
-                            }
-                            let row = a.input.add(iy as usize * a.in_w);
+                            #(#row_ptrs)*
                             for kx in 0..a.kw {
+                                let w = #splat(*a.weights.add(ky * a.kw + kx));
                                 let start = ix0 + kx as isize * dw;
-                                let x = if inside {
-                                    load_strided(row.offset(start), sw)
-                                } else {
-                                    load_strided_part(row.wrapping_offset(start), sw, -start, in_w - start)
-                                };
-                                acc = #fma_tap;
+                                #(#taps)*
                             }
                         }
                         if inside {
-                            #epi_full
+                            #(#epi_full)*
                         } else {
-                            #epi_part
+                            #(#epi_part)*
                         }
                         ox += LANES;
                     }
+                    oy += #rows;
                 }
             }
         };
