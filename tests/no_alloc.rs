@@ -42,6 +42,21 @@ fn run_does_not_allocate() {
         ConvParams::conv2d(32, 64, [1, 1])
             .with_layout(Layout::Nhwc)
             .with_activation(Activation::Relu),
+        // Depthwise 7x7: the blocked mode, whose transposes use the workspace.
+        ConvParams::conv2d(24, 24, [7, 7])
+            .with_groups(24)
+            .with_padding(Padding::Same)
+            .with_activation(Activation::Gelu),
+        // Depthwise NHWC, grouped (direct), and a 3-channel stem (direct).
+        ConvParams::conv2d(24, 24, [5, 5])
+            .with_groups(24)
+            .with_layout(Layout::Nhwc),
+        ConvParams::conv2d(32, 32, [3, 3])
+            .with_groups(8)
+            .with_padding(Padding::uniform(1)),
+        ConvParams::conv2d(3, 16, [7, 7])
+            .with_stride([2, 2])
+            .with_padding(Padding::uniform(3)),
     ];
     let mut ws = Workspace::new();
     for params in layers {
