@@ -258,8 +258,10 @@ impl Depthwise {
         let (mode, kern, units) = match (&self.planes, &self.channels) {
             (None, Some(c)) => (Mode::Channels, c.kern, g.batch),
             (Some(_), Some(c))
-                if forced
-                    .map_or_else(|| blocked_wins(g, c.kern), |m| matches!(m, Mode::Blocked)) =>
+                if forced.map_or_else(
+                    || blocked_wins(g, c.kern) && blocked_scratch(g, c.kern) <= BLOCKED_SCRATCH_MAX,
+                    |m| matches!(m, Mode::Blocked),
+                ) =>
             {
                 (Mode::Blocked, c.kern, g.batch * g.c_out.div_ceil(BLOCK))
             }
@@ -283,12 +285,7 @@ impl Depthwise {
         let band_rows = g.oh.div_ceil(bands).next_multiple_of(4).min(g.oh);
         let bands = g.oh.div_ceil(band_rows);
         let items = units * bands;
-        // Blocked: the scratch input carries the padding (the transpose writes it at no extra
-        // cost) and the scratch output rows are whole register blocks, so every block of the
-        // kernel runs its unchecked loop.
-        let owp = g.ow.next_multiple_of(kern.block);
-        let hp = g.pad_top + g.h + g.pad_bottom;
-        let wp = (g.pad_left + g.w + g.pad_right).max((owp - 1) * g.sw + (g.kw - 1) * g.dw + 1);
+        let (hp, wp, owp) = blocked_sizes(g, kern);
         DwPlan {
             mode,
             kern,
@@ -298,7 +295,7 @@ impl Depthwise {
             items,
             padded: (hp, wp, owp),
             scratch_per_worker: match mode {
-                Mode::Blocked => BLOCK * (hp * wp + g.oh * owp),
+                Mode::Blocked => blocked_scratch(g, kern),
                 _ => 0,
             },
         }
@@ -491,6 +488,30 @@ impl Depthwise {
             .as_ref()
             .expect("channel modes are planned only with channel weights")
     }
+}
+
+/// The most scratch floats a worker of the blocked mode may take (4 MiB) before the choice
+/// falls back to the plane kernels: the workspace stays bounded whatever the image size.
+const BLOCKED_SCRATCH_MAX: usize = 1 << 20;
+
+/// The blocked mode's padded input (`hp x wp`) and output (`oh x owp`) sizes in pixels. The
+/// scratch input carries the padding (the transpose writes it at no extra cost) and the
+/// scratch output rows are whole register blocks, so every block of the channel kernel runs
+/// its unchecked loop.
+fn blocked_sizes(g: &Geometry, kern: &DwKernel) -> (usize, usize, usize) {
+    let owp = g.ow.next_multiple_of(kern.block);
+    let hp = g.pad_top + g.h + g.pad_bottom;
+    let wp = (g.pad_left + g.w + g.pad_right).max((owp - 1) * g.sw + (g.kw - 1) * g.dw + 1);
+    (hp, wp, owp)
+}
+
+/// Scratch floats a worker of the blocked mode needs.
+fn blocked_scratch(g: &Geometry, kern: &DwKernel) -> usize {
+    let (hp, wp, owp) = blocked_sizes(g, kern);
+    BLOCK.saturating_mul(
+        hp.saturating_mul(wp)
+            .saturating_add(g.oh.saturating_mul(owp)),
+    )
 }
 
 /// The rule between the NCHW modes, from `convkit bench` on the suite's depthwise layers (one
