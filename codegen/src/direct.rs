@@ -1,8 +1,8 @@
 //! The direct NCHW kernel emitter: dense and grouped convolutions computed straight from the
 //! input planes, without im2col.
 //!
-//! One call computes [`OCB`] output channels of a group over a band of output rows, summing
-//! over the group's input channels. It keeps `OCB x rows` vectors of outputs in registers and
+//! One call computes `ocb` output channels of a group over a band of output rows, summing
+//! over the group's input channels. It keeps `ocb x rows` vectors of outputs in registers and
 //! vectorises along the row, as the depthwise plane kernels do: each input vector loaded feeds
 //! every output row and channel it reaches, and each weight is a broadcast operand of its
 //! multiply-add. That suits what GEMM does badly: few input channels (stems, whose K is tiny)
@@ -15,21 +15,21 @@ use proc_macro2::{Ident, TokenStream};
 use quote::{format_ident, quote};
 
 /// Output channels one call computes (the weights are packed in blocks of this many).
-pub const OCB: usize = 4;
-
-/// Output rows kept in registers: `OCB x rows` accumulators must fit beside the loads.
-fn rows(isa: Isa) -> usize {
-    match isa {
-        Isa::Avx512 | Isa::Neon => 4,
-        Isa::Avx2 | Isa::Scalar => 2,
-    }
+/// Output rows kept in registers: `ocb x rows` accumulators must fit beside the loads (16
+/// of 32 registers, 8 of 16).
+fn rows(spec: &DirectSpec) -> usize {
+    let accumulators = match spec.isa {
+        Isa::Avx512 | Isa::Neon => 16,
+        Isa::Avx2 | Isa::Scalar => 8,
+    };
+    (accumulators / spec.ocb).max(1)
 }
 
 pub fn registry_entry(spec: &DirectSpec) -> TokenStream {
     let module = format_ident!("{}", spec.isa.suffix());
     let path = format_ident!("{}", spec.name());
     let (k, s) = (lit(spec.shape.0), lit(spec.shape.1));
-    let (ocb, rows) = (lit(OCB), lit(rows(spec.isa)));
+    let (ocb, rows) = (lit(spec.ocb), lit(rows(spec)));
     registry_entry_with(
         "DirectKernel",
         &spec.name(),
@@ -40,6 +40,7 @@ pub fn registry_entry(spec: &DirectSpec) -> TokenStream {
 }
 
 pub fn emit(v: &Simd, spec: &DirectSpec) -> TokenStream {
+    let ocb_n = spec.ocb;
     let name = format_ident!("{}", spec.name());
     let (k, s) = spec.shape;
     assert!(
@@ -49,8 +50,8 @@ pub fn emit(v: &Simd, spec: &DirectSpec) -> TokenStream {
     );
     let doc = format!(
         " Direct f32 convolution, {k}x{k} stride {s}, NCHW, {}: output channels `0..noc` \
-         (at most {OCB}) of one group over output rows `oy0..oy1`, summed over the group's \
-         `cin` input planes; `weights` packed `[cin][{k}x{k}][{OCB}]`, `bias` {OCB} values.\n\n \
+         (at most {ocb_n}) of one group over output rows `oy0..oy1`, summed over the group's \
+         `cin` input planes; `weights` packed `[cin][{k}x{k}][{ocb_n}]`, `bias` {ocb_n} values.\n\n \
          # Safety\n The CPU must have the ISA, and the pointers of `a` must cover the tensors \
          its sizes describe.",
         spec.isa.suffix()
@@ -59,10 +60,10 @@ pub fn emit(v: &Simd, spec: &DirectSpec) -> TokenStream {
     let (zero, splat, fma) = (&v.zero, &v.splat, v.fma);
     let l = v.lanes;
     let ll = lit(l);
-    let r_n = rows(spec.isa);
+    let r_n = rows(spec);
     let paired = s == 2 && l > 1;
     let span = if paired { 2 * l } else { (l - 1) * s + 1 };
-    let accs: Vec<Vec<Ident>> = (0..OCB)
+    let accs: Vec<Vec<Ident>> = (0..ocb_n)
         .map(|o| (0..r_n).map(|r| format_ident!("acc{}_{}", o, r)).collect())
         .collect();
     let block = |inside: bool| {
@@ -76,10 +77,10 @@ pub fn emit(v: &Simd, spec: &DirectSpec) -> TokenStream {
                 let load = tap_load(v, inside, paired, kx);
                 let fmas = uses
                     .iter()
-                    .flat_map(|&(r, ky)| (0..OCB).map(move |o| (r, ky, o)))
+                    .flat_map(|&(r, ky)| (0..ocb_n).map(move |o| (r, ky, o)))
                     .map(|(r, ky, o)| {
                         let c = &accs[o][r];
-                        let w = lit((ky * k + kx) * OCB + o);
+                        let w = lit((ky * k + kx) * ocb_n + o);
                         let f = fma(quote!(#c), quote!(x), quote!(#splat(*wi.add(#w))));
                         quote!(#c = #f;)
                     });
@@ -120,7 +121,7 @@ pub fn emit(v: &Simd, spec: &DirectSpec) -> TokenStream {
                     _ => quote!(if #ol < a.noc && #rl < rows_left { #e }),
                 }
             });
-        let taps_per_channel = lit(k * k * OCB);
+        let taps_per_channel = lit(k * k * ocb_n);
         let masks = (!inside).then(|| edge_masks(v, paired, k));
         quote! {
             #(#decls)*
@@ -134,7 +135,7 @@ pub fn emit(v: &Simd, spec: &DirectSpec) -> TokenStream {
         }
     };
     let body = row_blocks(r_n, s, k - 1 + span, block(true), block(false));
-    let biases = (0..OCB).map(|o| {
+    let biases = (0..ocb_n).map(|o| {
         let (b, ol) = (format_ident!("b{}", o), lit(o));
         quote!(let #b = #splat(*a.bias.add(#ol));)
     });

@@ -182,12 +182,18 @@ pub fn dw_f32() -> Vec<DwSpec> {
 pub struct DirectSpec {
     pub isa: Isa,
     pub shape: (usize, usize),
+    /// Output channels a call computes.
+    pub ocb: usize,
 }
 
 impl DirectSpec {
     pub fn name(&self) -> String {
         let (k, s) = self.shape;
-        format!("direct_f32_k{k}s{s}_nchw_{}", self.isa.suffix())
+        format!(
+            "direct_f32_k{k}s{s}_oc{}_nchw_{}",
+            self.ocb,
+            self.isa.suffix()
+        )
     }
 }
 
@@ -195,16 +201,23 @@ impl DirectSpec {
 /// MobileNet (3x3) and ResNet (7x7). Other convolutions take im2col + GEMM.
 pub const DIRECT_SHAPES: &[(usize, usize)] = &[(3, 1), (3, 2), (7, 2)];
 
-/// The f32 direct kernels: every shape of [`DIRECT_SHAPES`] for every ISA.
+/// The f32 direct kernels: every shape of [`DIRECT_SHAPES`] for every ISA, computing 4 output
+/// channels a call (for groups of 4, as ResNeXt's) and, with 32 registers, 8 (2 rows): for
+/// wider groups and stems that halves the loads and stride-2 shuffles a multiply-add.
 pub fn direct_f32() -> Vec<DirectSpec> {
-    Isa::ALL
-        .into_iter()
-        .flat_map(|isa| {
-            DIRECT_SHAPES
-                .iter()
-                .map(move |&shape| DirectSpec { isa, shape })
-        })
-        .collect()
+    let mut specs = Vec::new();
+    for isa in Isa::ALL {
+        let blocks: &[usize] = match isa {
+            Isa::Avx512 | Isa::Neon => &[4, 8],
+            Isa::Avx2 | Isa::Scalar => &[4],
+        };
+        for &shape in DIRECT_SHAPES {
+            for &ocb in blocks {
+                specs.push(DirectSpec { isa, shape, ocb });
+            }
+        }
+    }
+    specs
 }
 
 /// A generated source file: its name and its formatted text.

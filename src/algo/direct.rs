@@ -68,7 +68,8 @@ pub(crate) struct DirectPlan {
     items: usize,
 }
 
-/// The kernel of `isa` for `p`, or why there is none.
+/// The kernel of `isa` for `p`, or why there is none: the one computing the most output
+/// channels a call that the groups fill (8 for groups of 8 channels or more, else 4).
 fn kernel_for(p: &ConvParams, isa: Isa) -> std::result::Result<&'static DirectKernel, String> {
     if p.layout != Layout::Nchw {
         return Err("direct kernels are NCHW".into());
@@ -80,9 +81,11 @@ fn kernel_for(p: &ConvParams, isa: Isa) -> std::result::Result<&'static DirectKe
             p.kernel, p.stride, p.dilation
         ));
     }
+    let cout_g = p.out_channels_per_group();
     cpu::direct_f32()
         .iter()
-        .find(|d| d.isa == isa && d.fixed == (k, s))
+        .filter(|d| d.isa == isa && d.fixed == (k, s))
+        .max_by_key(|d| (d.ocb <= cout_g.max(4), d.ocb))
         .ok_or_else(|| format!("no direct kernel generated for {k}x{k} stride {s} at {isa}"))
 }
 
@@ -103,15 +106,17 @@ impl Direct {
             algorithm: "direct",
             reason,
         };
-        let kern = kernel_for(p, isa).map_err(unsupported)?;
-        if let Some(f) = forced {
-            if f.name != kern.name {
+        let chosen = kernel_for(p, isa).map_err(unsupported)?;
+        let kern = match forced {
+            Some(f) if f.fixed != chosen.fixed || f.isa != isa => {
                 return Err(unsupported(format!(
                     "kernel {} does not take kernel {:?} stride {:?}",
                     f.name, p.kernel, p.stride
-                )));
+                )))
             }
-        }
+            Some(f) => f,
+            None => chosen,
+        };
         let (cin_g, cout_g) = (p.in_channels_per_group(), p.out_channels_per_group());
         let taps = p.kernel[0] * p.kernel[1];
         let ocb = kern.ocb;
