@@ -43,9 +43,13 @@ pub fn emit(v: &Simd, spec: &DirectSpec) -> TokenStream {
     let ocb_n = spec.ocb;
     let name = format_ident!("{}", spec.name());
     let (k, s) = spec.shape;
+    let l = v.lanes;
+    // Stride 4 with a 4-wide kernel (a patchify stem): each input row's four phases come from
+    // four vectors by two rounds of even/odd lanes, shared by the four taps.
+    let quad = s == 4 && k == 4 && l > 1;
     assert!(
-        s <= 2,
-        "{}: vector loads are strided by 1 or 2 only",
+        s <= 2 || quad || l == 1,
+        "{}: vector loads are strided by 1 or 2, or 4 with a 4-wide kernel",
         spec.name()
     );
     let doc = format!(
@@ -58,11 +62,15 @@ pub fn emit(v: &Simd, spec: &DirectSpec) -> TokenStream {
     );
     let attrs = v.attrs();
     let (zero, splat, fma) = (&v.zero, &v.splat, v.fma);
-    let l = v.lanes;
     let ll = lit(l);
     let r_n = rows(spec);
     let paired = s == 2 && l > 1;
-    let span = if paired { 2 * l } else { (l - 1) * s + 1 };
+    // Floats of a row the block's loads reach, from its first column.
+    let reach = match (paired, quad) {
+        (_, true) => 4 * l,
+        (true, _) => k - 1 + 2 * l,
+        _ => k - 1 + (l - 1) * s + 1,
+    };
     let accs: Vec<Vec<Ident>> = (0..ocb_n)
         .map(|o| (0..r_n).map(|r| format_ident!("acc{}_{}", o, r)).collect())
         .collect();
@@ -73,8 +81,14 @@ pub fn emit(v: &Simd, spec: &DirectSpec) -> TokenStream {
                 .filter(|&r| j >= r * s && j - r * s < k)
                 .map(|r| (r, j - r * s))
                 .collect();
+            let phases = quad.then(|| quad_phases(v, inside));
             let taps = (0..k).map(|kx| {
-                let load = tap_load(v, inside, paired, kx);
+                let load = if quad {
+                    let x = format_ident!("x{}", kx);
+                    quote!(#x)
+                } else {
+                    tap_load(v, inside, paired, kx)
+                };
                 let fmas = uses
                     .iter()
                     .flat_map(|&(r, ky)| (0..ocb_n).map(move |o| (r, ky, o)))
@@ -94,6 +108,7 @@ pub fn emit(v: &Simd, spec: &DirectSpec) -> TokenStream {
                 let iy = iy0 + #j;
                 if iy >= 0 && (iy as usize) < a.in_h {
                     let p = plane.wrapping_offset(iy * in_w + ix0);
+                    #phases
                     #(#taps)*
                 }
             }
@@ -122,7 +137,11 @@ pub fn emit(v: &Simd, spec: &DirectSpec) -> TokenStream {
                 }
             });
         let taps_per_channel = lit(k * k * ocb_n);
-        let masks = (!inside).then(|| edge_masks(v, paired, k));
+        let masks = match (inside, quad) {
+            (true, _) => quote!(),
+            (false, true) => quad_masks(v),
+            (false, false) => edge_masks(v, paired, k),
+        };
         quote! {
             #(#decls)*
             #masks
@@ -134,7 +153,7 @@ pub fn emit(v: &Simd, spec: &DirectSpec) -> TokenStream {
             #(#epis)*
         }
     };
-    let body = row_blocks(r_n, s, k - 1 + span, block(true), block(false));
+    let body = row_blocks(r_n, s, reach, block(true), block(false));
     let biases = (0..ocb_n).map(|o| {
         let (b, ol) = (format_ident!("b{}", o), lit(o));
         quote!(let #b = #splat(*a.bias.add(#ol));)
@@ -151,4 +170,35 @@ pub fn emit(v: &Simd, spec: &DirectSpec) -> TokenStream {
             #body
         }
     }
+}
+
+/// The four phases `x0..x3` of the `4 x lanes` floats of row `p`: `x{r}` holds every fourth
+/// float from the `r`-th. Edge blocks load the four vectors under the masks of [`quad_masks`].
+fn quad_phases(v: &Simd, inside: bool) -> TokenStream {
+    let load = &v.load;
+    let vs = (0..4).map(|q| {
+        let (vq, off) = (format_ident!("v{}", q), lit(q * v.lanes));
+        let mq = format_ident!("mq{}", q);
+        if inside {
+            quote!(let #vq = #load(p.add(#off));)
+        } else {
+            quote!(let #vq = load_masked(p.wrapping_add(#off), #mq);)
+        }
+    });
+    quote! {
+        #(#vs)*
+        let (e01, o01) = (evens(v0, v1), odds(v0, v1));
+        let (e23, o23) = (evens(v2, v3), odds(v2, v3));
+        let (x0, x2) = (evens(e01, e23), odds(e01, e23));
+        let (x1, x3) = (evens(o01, o23), odds(o01, o23));
+    }
+}
+
+/// The lane masks of an edge block's four vectors of a row (see [`quad_phases`]).
+fn quad_masks(v: &Simd) -> TokenStream {
+    let ms = (0..4).map(|q| {
+        let (mq, off) = (format_ident!("mq{}", q), lit(q * v.lanes));
+        quote!(let #mq = part_mask(-(ix0 + #off), in_w - (ix0 + #off));)
+    });
+    quote!(#(#ms)*)
 }

@@ -198,8 +198,9 @@ impl DirectSpec {
 }
 
 /// The shapes that get a direct kernel: the grouped 3x3 of ResNeXt, the stride-2 stems of
-/// MobileNet (3x3) and ResNet (7x7). Other convolutions take im2col + GEMM.
-pub const DIRECT_SHAPES: &[(usize, usize)] = &[(3, 1), (3, 2), (7, 2)];
+/// MobileNet (3x3) and ResNet (7x7), ConvNeXt's 4x4 stride-4 patchify stem. Other
+/// convolutions take im2col + GEMM.
+pub const DIRECT_SHAPES: &[(usize, usize)] = &[(3, 1), (3, 2), (7, 2), (4, 4)];
 
 /// The f32 direct kernels: every shape of [`DIRECT_SHAPES`] for every ISA, computing 4 output
 /// channels a call (for groups of 4, as ResNeXt's) and, with 32 registers, 8 (2 rows): for

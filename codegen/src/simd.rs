@@ -242,7 +242,35 @@ pub fn helpers(v: &Simd) -> TokenStream {
             quote!(vuzp1q_f32(a, b)),
         ),
     };
+    let odds = match (v.isa, v.lanes) {
+        (Isa::Scalar, _) => quote!({
+            let _ = a;
+            b
+        }),
+        (Isa::Avx512, 8) => quote!(_mm256_permutex2var_ps(
+            a,
+            _mm256_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15),
+            b
+        )),
+        (Isa::Avx512, _) => quote!(_mm512_permutex2var_ps(
+            a,
+            _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31),
+            b
+        )),
+        (Isa::Avx2, _) => quote!(_mm256_castpd_ps(_mm256_permute4x64_pd::<0xD8>(
+            _mm256_castps_pd(_mm256_shuffle_ps::<0xDD>(a, b))
+        ))),
+        (Isa::Neon, _) => quote!(vuzp2q_f32(a, b)),
+    };
     quote! {
+        /// The odd lanes of the `2 x lanes` floats `a ++ b`.
+        #[allow(dead_code)]
+        #[inline]
+        #attrs
+        unsafe fn odds(a: #ty, b: #ty) -> #ty {
+            #odds
+        }
+
         /// The lanes `lo..hi` of the vector at `p`, zero elsewhere; only those lanes are read,
         /// so `p` may point partly outside the buffer.
         ///
