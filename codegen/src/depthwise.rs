@@ -216,6 +216,28 @@ pub(crate) fn tap_load(v: &Simd, inside: bool, paired: bool, kx_n: usize) -> Tok
     }
 }
 
+/// The (output row, kernel row) pairs that input row `j` of a block of `rows` output rows
+/// feeds, at stride `s` with a kernel `k` tall.
+pub(crate) fn row_uses(j: usize, rows: usize, s: usize, k: usize) -> Vec<(usize, usize)> {
+    (0..rows)
+        .filter(|&r| j >= r * s && j - r * s < k)
+        .map(|r| (r, j - r * s))
+        .collect()
+}
+
+/// Input row `j` of a block (`iy0 + j` in the image): `body` with `p` at its column `ix0` of
+/// `plane`, or nothing when the row is padding.
+pub(crate) fn input_row(j: usize, plane: TokenStream, body: TokenStream) -> TokenStream {
+    let j = lit(j);
+    quote! {
+        let iy = iy0 + #j;
+        if iy >= 0 && (iy as usize) < a.in_h {
+            let p = #plane.wrapping_offset(iy * in_w + ix0);
+            #body
+        }
+    }
+}
+
 /// The lane masks of an edge block's `k` tap columns, the same for every row it loads
 /// (`m{kx}`, and `m{kx}_hi` for the second vector of a stride-2 pair).
 pub(crate) fn edge_masks(v: &Simd, paired: bool, k: usize) -> TokenStream {
@@ -409,11 +431,7 @@ fn emit_nchw(v: &Simd, spec: &DwSpec) -> TokenStream {
         let accs: Vec<Ident> = (0..rows).map(|r| format_ident!("acc{}", r)).collect();
         let decls = accs.iter().map(|c| quote!(let mut #c = #zero;));
         let in_rows = (0..(rows - 1) * s + k).map(|j| {
-            // (output row, kernel row) pairs this input row feeds.
-            let uses: Vec<(usize, usize)> = (0..rows)
-                .filter(|&r| j >= r * s && j - r * s < k)
-                .map(|r| (r, j - r * s))
-                .collect();
+            let uses = row_uses(j, rows, s, k);
             let taps = (0..k).map(|kx_n| {
                 let load = tap_load(v, inside, paired, kx_n);
                 let fmas = uses.iter().map(|&(r, ky)| {
@@ -427,14 +445,7 @@ fn emit_nchw(v: &Simd, spec: &DwSpec) -> TokenStream {
                     #(#fmas)*
                 }
             });
-            let j = lit(j);
-            quote! {
-                let iy = iy0 + #j;
-                if iy >= 0 && (iy as usize) < a.in_h {
-                    let p = a.input.wrapping_offset(iy * in_w + ix0);
-                    #(#taps)*
-                }
-            }
+            input_row(j, quote!(a.input), quote!(#(#taps)*))
         });
         // Rows past the band (its last block) are computed but not stored: one loop for
         // every block keeps the rows' chains of multiply-adds side by side.

@@ -8,7 +8,7 @@
 //! multiply-add. That suits what GEMM does badly: few input channels (stems, whose K is tiny)
 //! and few channels per group (ResNeXt's 4).
 
-use crate::depthwise::{edge_masks, epilogue, row_blocks, tap_load, Dest};
+use crate::depthwise::{edge_masks, epilogue, input_row, row_blocks, row_uses, tap_load, Dest};
 use crate::simd::Simd;
 use crate::{lit, registry_entry_with, DirectSpec, Isa};
 use proc_macro2::{Ident, TokenStream};
@@ -77,10 +77,7 @@ pub fn emit(v: &Simd, spec: &DirectSpec) -> TokenStream {
     let block = |inside: bool| {
         let decls = accs.iter().flatten().map(|c| quote!(let mut #c = #zero;));
         let in_rows = (0..(r_n - 1) * s + k).map(|j| {
-            let uses: Vec<(usize, usize)> = (0..r_n)
-                .filter(|&r| j >= r * s && j - r * s < k)
-                .map(|r| (r, j - r * s))
-                .collect();
+            let uses = row_uses(j, r_n, s, k);
             let phases = quad.then(|| quad_phases(v, inside));
             let taps = (0..k).map(|kx| {
                 let load = if quad {
@@ -103,15 +100,7 @@ pub fn emit(v: &Simd, spec: &DirectSpec) -> TokenStream {
                     #(#fmas)*
                 }
             });
-            let j = lit(j);
-            quote! {
-                let iy = iy0 + #j;
-                if iy >= 0 && (iy as usize) < a.in_h {
-                    let p = plane.wrapping_offset(iy * in_w + ix0);
-                    #phases
-                    #(#taps)*
-                }
-            }
+            input_row(j, quote!(plane), quote!(#phases #(#taps)*))
         });
         let epis = accs
             .iter()
