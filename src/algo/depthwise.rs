@@ -651,14 +651,18 @@ fn blocks(
             }
         }
     }
-    // The ragged rest: pixels past the last whole 8, channels past the last whole 8.
-    for c in 0..cb {
-        let p_start = if c < c8 { n8 } else { 0 };
-        for p in p_start..n {
-            let px = at(p).0 + c;
+    // The ragged rest: pixels past the last whole 8 (every channel), and the channels past
+    // the last whole 8 of the other pixels; each pixel's offset computed once.
+    for p in 0..n {
+        let channels = if p < n8 { c8..cb } else { 0..cb };
+        if channels.is_empty() {
+            continue;
+        }
+        let px = at(p).0;
+        for c in channels {
             match dir {
-                Direction::ToPixels => dst[px] = src[c * n + p],
-                Direction::ToPlanes => dst[c * n + p] = src[px],
+                Direction::ToPixels => dst[px + c] = src[c * n + p],
+                Direction::ToPlanes => dst[c * n + p] = src[px + c],
             }
         }
     }
