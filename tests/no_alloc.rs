@@ -31,39 +31,66 @@ static GLOBAL: Counting = Counting;
 
 #[test]
 fn run_does_not_allocate() {
+    // Each layer with the path it must take, so that a change of the rules cannot quietly
+    // leave a path untested.
     let layers = [
-        ConvParams::conv2d(16, 32, [3, 3])
-            .with_padding(Padding::Same)
-            .with_activation(Activation::Silu),
-        ConvParams::conv2d(32, 32, [3, 3])
-            .with_groups(32)
-            .with_stride([2, 2])
-            .with_padding(Padding::uniform(1)),
-        ConvParams::conv2d(32, 64, [1, 1])
-            .with_layout(Layout::Nhwc)
-            .with_activation(Activation::Relu),
+        (
+            ConvParams::conv2d(24, 32, [3, 3])
+                .with_padding(Padding::Same)
+                .with_activation(Activation::Silu),
+            "im2col_gemm/",
+        ),
+        (
+            ConvParams::conv2d(32, 32, [3, 3])
+                .with_groups(32)
+                .with_stride([2, 2])
+                .with_padding(Padding::uniform(1)),
+            "depthwise/dw_f32_k3s2_nchw",
+        ),
+        (
+            ConvParams::conv2d(32, 64, [1, 1])
+                .with_layout(Layout::Nhwc)
+                .with_activation(Activation::Relu),
+            "im2col_gemm/",
+        ),
         // Depthwise 7x7: the blocked mode, whose transposes use the workspace.
-        ConvParams::conv2d(24, 24, [7, 7])
-            .with_groups(24)
-            .with_padding(Padding::Same)
-            .with_activation(Activation::Gelu),
-        // Depthwise NHWC, grouped (direct), and a 3-channel stem (direct).
-        ConvParams::conv2d(24, 24, [5, 5])
-            .with_groups(24)
-            .with_layout(Layout::Nhwc),
-        ConvParams::conv2d(32, 32, [3, 3])
-            .with_groups(8)
-            .with_padding(Padding::uniform(1)),
-        ConvParams::conv2d(3, 16, [7, 7])
-            .with_stride([2, 2])
-            .with_padding(Padding::uniform(3)),
+        (
+            ConvParams::conv2d(24, 24, [7, 7])
+                .with_groups(24)
+                .with_padding(Padding::Same)
+                .with_activation(Activation::Gelu),
+            "depthwise/transpose16+dw_f32_k7s1_nhwc",
+        ),
+        (
+            ConvParams::conv2d(24, 24, [5, 5])
+                .with_groups(24)
+                .with_layout(Layout::Nhwc),
+            "depthwise/dw_f32_k5s1_nhwc",
+        ),
+        (
+            ConvParams::conv2d(32, 32, [3, 3])
+                .with_groups(8)
+                .with_padding(Padding::uniform(1)),
+            "direct/direct_f32_k3s1",
+        ),
+        (
+            ConvParams::conv2d(3, 16, [7, 7])
+                .with_stride([2, 2])
+                .with_padding(Padding::uniform(3)),
+            "direct/direct_f32_k7s2",
+        ),
     ];
     let mut ws = Workspace::new();
-    for params in layers {
+    for (params, path) in layers {
         let weights = vec![0.1; params.weights_len().unwrap()];
         let bias = vec![0.2; params.out_channels];
         let conv = Conv2d::new(params, &weights, Some(&bias), Options::threads(1)).unwrap();
         let plan = conv.plan(2, 20, 20).unwrap();
+        assert!(
+            plan.kernel_name().starts_with(path),
+            "expected {path}, got {}",
+            plan.kernel_name()
+        );
         let input = vec![1.0; plan.input_len()];
         let residual = vec![0.5; plan.output_len()];
         let mut output = vec![0.0; plan.output_len()];

@@ -173,13 +173,16 @@ impl Depthwise {
                 .iter()
                 .find(|k| k.isa == isa && k.layout == layout && k.ymm == ymm && k.fixed == shape)
         };
+        // The forced kernel where it has the layout and width asked for, else the unrolled
+        // kernel of the shape, else the generic one.
         let pick = |layout: Layout, ymm: bool| {
+            let forced = forced.filter(|k| k.layout == layout && k.ymm == ymm);
             let fixed = if generic {
                 None
             } else {
                 shape.and_then(|s| find(layout, ymm, Some(s)))
             };
-            fixed.or_else(|| find(layout, ymm, None))
+            forced.or(fixed).or_else(|| find(layout, ymm, None))
         };
         if let Some(k) = forced {
             let layout_ok = k.layout == p.layout
@@ -194,10 +197,6 @@ impl Depthwise {
                 });
             }
         }
-        let pick = |layout: Layout, ymm: bool| match forced {
-            Some(k) if k.layout == layout && k.ymm == ymm => Some(k),
-            _ => pick(layout, ymm),
-        };
         let forced_mode = forced.map(|k| match (k.layout, p.layout) {
             (Layout::Nchw, _) => Mode::Planes,
             (Layout::Nhwc, Layout::Nchw) => Mode::Blocked,
@@ -212,6 +211,7 @@ impl Depthwise {
         let bias_or_zero = || bias.map_or_else(|| vec![0.0; c], <[f32]>::to_vec);
         let planes = match p.layout {
             Layout::Nchw => Some((
+                // A forced 8-lane kernel runs at every width.
                 match forced {
                     Some(k) if k.layout == Layout::Nchw => k,
                     _ => pick(Layout::Nchw, false).ok_or_else(missing)?,
@@ -324,7 +324,6 @@ impl Depthwise {
         let (min, max) = activation.clamp_bounds();
         let out = SendPtr(output.as_mut_ptr());
         let res = SendPtr(residual.map_or(std::ptr::null_mut(), |r| r.as_ptr() as *mut f32));
-        let scratch = SendPtr(scratch.as_mut_ptr());
         let args = |input: *const f32, output: *mut f32, residual: *const f32| DwArgs {
             input,
             output,
@@ -357,7 +356,8 @@ impl Depthwise {
             }
         };
         let (hw, ohw) = (g.h * g.w, g.oh * g.ow);
-        for_each_worker(plan.workers, plan.items, |worker, item| {
+        let scratch = &mut scratch[..plan.workspace_floats()];
+        for_each_worker(plan.workers, plan.items, scratch, |s, item| {
             let unit = item / plan.bands;
             let oy0 = item % plan.bands * plan.band_rows;
             let oy1 = (oy0 + plan.band_rows).min(g.oh);
@@ -412,14 +412,6 @@ impl Depthwise {
                     let blocks = g.c_out.div_ceil(BLOCK);
                     let (n, c0) = (unit / blocks, unit % blocks * BLOCK);
                     let cb = BLOCK.min(g.c_out - c0);
-                    // SAFETY: each worker owns its `scratch_per_worker` floats of the scratch,
-                    // which holds `workers` of them.
-                    let s = unsafe {
-                        std::slice::from_raw_parts_mut(
-                            scratch.get().add(worker * plan.scratch_per_worker),
-                            plan.scratch_per_worker,
-                        )
-                    };
                     let (hp, wp, owp) = plan.padded;
                     let (pix_in, pix_out) = s.split_at_mut(BLOCK * hp * wp);
                     let first = (n * g.c_out + c0) * hw;
@@ -525,9 +517,8 @@ fn blocked_wins(g: &Geometry, channel_kernel: &DwKernel) -> bool {
     match channel_kernel.fixed {
         Some((k, _)) if k >= 5 => true,
         Some(_) => g.ow <= 8,
-        // The generic channel kernel keeps 8 pixels in registers; the generic plane kernel
-        // one row (4x4 on 56x56: 5 vs 24-32; 9x9 on 28x28: 12 vs 40-50; dilation 2: 4.5 vs
-        // 28-35; stride 3: 1.3 vs 17-23, NHWC figures).
+        // The generic kernels, planes vs blocked: 4x4 on 56x56 10-11 vs 24-31; 9x9 on 28x28
+        // 16 vs 41-46; 3x3 dilation 2 on 28x28 13 vs 16; 3x3 stride 3 on 56x56 1.9 vs 6.
         None => true,
     }
 }

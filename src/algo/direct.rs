@@ -189,7 +189,7 @@ impl Direct {
         let (cin_g, cout_g) = (g.cin_g(), g.cout_g());
         let ocb = self.kern.ocb;
         let taps = g.kh * g.kw;
-        for_each_worker(plan.workers, plan.items, |_, item| {
+        for_each_worker(plan.workers, plan.items, &mut [], |_, item| {
             let unit = item / plan.bands;
             let oy0 = item % plan.bands * plan.band_rows;
             let oy1 = (oy0 + plan.band_rows).min(g.oh);

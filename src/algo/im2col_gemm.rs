@@ -15,14 +15,13 @@
 //!
 //! Groups and images are one more dimension of the parallel loop, not separate convolutions.
 
-use super::SendPtr;
+use super::{for_each_worker, SendPtr};
 use crate::buffer::AlignedBuf;
 use crate::cpu::{self, Isa};
 use crate::gemm::pack::{prepack, prepacked_len, Prepacked};
 use crate::gemm::{gemm, BBlock, BlockB, Blocking, GemmKernel, Output, Panels, NC_MAX};
 use crate::params::{mul, Geometry};
 use crate::{Activation, ConvParams, Layout, Result};
-use rayon::prelude::*;
 
 /// Weights packed for the GEMM kernel of one ISA.
 pub(crate) struct Im2colGemm {
@@ -175,24 +174,13 @@ impl Im2colGemm {
             activation,
         };
         let items = plan.outer * plan.mchunks * plan.nchunks;
-        let work = |w: usize, scratch: &mut [f32]| {
-            for item in w * items / plan.workers..(w + 1) * items / plan.workers {
-                // SAFETY: items write disjoint blocks of the output (distinct image/group,
-                // rows or columns), which `output` covers: its length was checked. The
-                // kernel's ISA was checked when the weights were packed.
-                unsafe { self.run_item_isa(&job, scratch, item) };
-            }
-        };
         let scratch = &mut scratch[..plan.workspace_floats()];
-        if plan.workers == 1 {
-            work(0, scratch);
-        } else {
-            scratch
-                .par_chunks_mut(plan.scratch_per_worker)
-                .with_max_len(1)
-                .enumerate()
-                .for_each(|(w, s)| work(w, s));
-        }
+        for_each_worker(plan.workers, items, scratch, |scratch, item| {
+            // SAFETY: items write disjoint blocks of the output (distinct image/group, rows or
+            // columns), which `output` covers: its length was checked. The kernel's ISA was
+            // checked when the weights were packed.
+            unsafe { self.run_item_isa(&job, scratch, item) };
+        });
     }
 
     /// Runs one item with the driver and packers compiled for the kernel's ISA, so their

@@ -80,16 +80,30 @@ impl SendPtr {
 }
 
 /// Runs `items` numbered work items on `workers` workers, each a contiguous range of them: on
-/// the caller's thread alone for one worker, else on the current rayon pool. `item` gets the
-/// worker's number (for its scratch) and the item's.
-pub(crate) fn for_each_worker(workers: usize, items: usize, item: impl Fn(usize, usize) + Sync) {
+/// the caller's thread alone for one worker, else on the current rayon pool. Each worker owns
+/// an equal share of `scratch` (empty when there is none), which `item` gets with the item's
+/// number.
+pub(crate) fn for_each_worker(
+    workers: usize,
+    items: usize,
+    scratch: &mut [f32],
+    item: impl Fn(&mut [f32], usize) + Sync,
+) {
+    let workers = workers.max(1);
     let range = |w: usize| w * items / workers..(w + 1) * items / workers;
-    if workers <= 1 {
-        (0..items).for_each(|i| item(0, i));
-    } else {
+    let share = scratch.len() / workers;
+    if workers == 1 {
+        range(0).for_each(|i| item(scratch, i));
+    } else if share == 0 {
         (0..workers)
             .into_par_iter()
             .with_max_len(1)
-            .for_each(|w| range(w).for_each(|i| item(w, i)));
+            .for_each(|w| range(w).for_each(|i| item(&mut [], i)));
+    } else {
+        scratch[..share * workers]
+            .par_chunks_mut(share)
+            .with_max_len(1)
+            .enumerate()
+            .for_each(|(w, s)| range(w).for_each(|i| item(s, i)));
     }
 }

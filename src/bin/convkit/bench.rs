@@ -69,10 +69,19 @@ pub fn main(args: &[String]) -> CliResult<bool> {
         Some(name) => Some(convkit::cpu::find_kernel(name)?),
         None => None,
     };
-    // A forced kernel brings its own ISA.
+    // A forced kernel brings its own ISA; an `--isa` that says otherwise is an error.
+    let requested: Option<convkit::Isa> = flags.parsed("isa")?;
     let isa = match kernel {
+        Some(k) if requested.is_some_and(|i| i != k.isa) => {
+            return Err(CliError::Usage(format!(
+                "--kernel {} is {}, not --isa {}",
+                k.name,
+                k.isa,
+                requested.map_or("", |i| i.name())
+            )))
+        }
         Some(k) => convkit::Isa::check(k.isa)?,
-        None => resolve_isa(flags.parsed("isa")?)?,
+        None => resolve_isa(requested)?,
     };
     let options = Options {
         threads,
