@@ -4,10 +4,11 @@
 use crate::algo::depthwise::Depthwise;
 use crate::algo::direct::Direct;
 use crate::algo::im2col_gemm::Im2colGemm;
+use crate::algo::winograd::{self, Winograd};
 use crate::algo::Algorithm;
 use crate::cpu::{Family, Isa};
 use crate::plan::{AlgoPlan, Plan};
-use crate::{ConvParams, Error, Result};
+use crate::{ConvParams, Error, Precision, Result};
 use std::sync::Arc;
 
 /// How a convolution runs: threads, ISA level, and (optionally) a forced algorithm.
@@ -27,6 +28,8 @@ pub struct Options {
     /// ISA level, wherever the rules would use another: how tests and benchmarks reach every
     /// kernel. An error if it does not take the convolution.
     pub kernel: Option<&'static str>,
+    /// How exact the result must be: whether Winograd may run, and with which tiles.
+    pub precision: Precision,
 }
 
 impl Options {
@@ -44,6 +47,7 @@ pub(crate) enum Packed {
     Im2colGemm(Im2colGemm),
     Depthwise(Depthwise),
     Direct(Direct),
+    Winograd(Winograd),
 }
 
 pub(crate) struct ConvInner {
@@ -104,13 +108,14 @@ impl Conv2d {
             (Some(Family::Gemm), None | Some(Algorithm::Im2colGemm)) => Algorithm::Im2colGemm,
             (Some(Family::Depthwise), None | Some(Algorithm::Depthwise)) => Algorithm::Depthwise,
             (Some(Family::Direct), None | Some(Algorithm::Direct)) => Algorithm::Direct,
+            (Some(Family::Winograd), None | Some(Algorithm::Winograd)) => Algorithm::Winograd,
             (Some(family), Some(a)) => {
                 return Err(Error::InvalidParameter {
                     what: "kernel and algorithm",
                     detail: format!("a {family:?} kernel does not run algorithm {a}"),
                 })
             }
-            (None, a) => a.unwrap_or_else(|| choose(&params, isa)),
+            (None, a) => a.unwrap_or_else(|| choose(&params, isa, options.precision)),
         };
         let dw_kernel = match forced {
             Some(k) if k.family == Family::Depthwise => {
@@ -124,7 +129,33 @@ impl Conv2d {
             }
             _ => None,
         };
+        let wino_kernel = match forced {
+            Some(k) if k.family == Family::Winograd => {
+                crate::cpu::wino_f32().iter().find(|w| w.name == k.name)
+            }
+            _ => None,
+        };
         let packed = match algorithm {
+            Algorithm::Winograd => {
+                let m = match wino_kernel {
+                    Some(k) => k.m,
+                    None => winograd_tile(&params, options.precision),
+                };
+                // The kernel of that tile for this shape: a forced one must be it (2-D or 1-D).
+                let kern = winograd::kernel_for(&params, isa, m)
+                    .and_then(|found| match wino_kernel {
+                        Some(k) if k.name != found.name => Err(format!(
+                            "kernel {} does not take {}-D convolutions",
+                            k.name, found.dims
+                        )),
+                        _ => Ok(found),
+                    })
+                    .map_err(|reason| Error::AlgorithmUnsupported {
+                        algorithm: "winograd",
+                        reason,
+                    })?;
+                Packed::Winograd(Winograd::new(&params, weights, bias, isa, kern)?)
+            }
             Algorithm::Direct => {
                 Packed::Direct(Direct::new(&params, weights, bias, isa, direct_kernel)?)
             }
@@ -177,6 +208,7 @@ impl Conv2d {
             Packed::Im2colGemm(a) => AlgoPlan::Im2colGemm(a.plan(&geometry, threads)),
             Packed::Depthwise(a) => AlgoPlan::Depthwise(a.plan(&geometry, threads)),
             Packed::Direct(a) => AlgoPlan::Direct(a.plan(&geometry, threads)),
+            Packed::Winograd(a) => AlgoPlan::Winograd(a.plan(&geometry, threads)),
         };
         Ok(Plan::new(self.inner.clone(), geometry, algo))
     }
@@ -191,13 +223,19 @@ impl Conv2d {
 ///   channels, run the direct kernels where the generator made one for their shape: GEMM
 ///   reuses too little there (measured in `convkit bench`, see the README's table);
 /// - everything else runs im2col + GEMM, which takes every shape.
-fn choose(params: &ConvParams, isa: Isa) -> Algorithm {
+fn choose(params: &ConvParams, isa: Isa, precision: Precision) -> Algorithm {
     let grouped = params.groups > 1 && params.groups < params.in_channels;
     let few_channels = params.in_channels_per_group() <= DIRECT_MAX_CIN;
     // One input channel is "depthwise" too, but with many outputs per channel (wav2vec2's
     // 1 -> 512 front end) it is a dense GEMM with K = kernel size, which GEMM does better.
     if params.groups > 1 && Depthwise::rejects(params).is_none() {
         Algorithm::Depthwise
+    } else if precision != Precision::Exact
+        && params.in_channels_per_group() >= WINOGRAD_MIN_CHANNELS
+        && params.out_channels_per_group() >= WINOGRAD_MIN_CHANNELS
+        && Winograd::rejects(params, isa).is_none()
+    {
+        Algorithm::Winograd
     } else if (grouped || params.groups == 1)
         && few_channels
         // Stride 4 (the 4x4 patchify stem) ties with GEMM at AVX-512 and loses at AVX2.
@@ -215,6 +253,14 @@ fn choose(params: &ConvParams, isa: Isa) -> Algorithm {
 /// channels 112x112 101-110 vs 65-97; stride 2 on 16 channels 83-94 vs 49-71; groups of 8
 /// channels 93-99 vs 41-60; 16 channels 56x56 95-100 vs 72-102, a tie, so no more than 16.
 const DIRECT_MAX_CIN: usize = 16;
+
+/// The fewest input and output channels a group for which the choice runs Winograd.
+const WINOGRAD_MIN_CHANNELS: usize = 16;
+
+/// The Winograd tile for `params` at `precision`: the largest the precision allows.
+fn winograd_tile(_params: &ConvParams, precision: Precision) -> usize {
+    precision.max_tile().clamp(2, 6)
+}
 
 /// A 1-D convolution: a thin front over [`Conv2d`] with height 1. Weights are
 /// `out x in/groups x kernel`; tensors are NCW (or NWC with `Layout::Nhwc`).

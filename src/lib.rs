@@ -40,6 +40,11 @@ mod plan;
 pub mod reference;
 pub mod suite;
 
+pub use algo::winograd::Precision;
+/// Winograd's accuracy: the error tables the tests assert.
+pub mod winograd {
+    pub use crate::algo::winograd::{ERROR_FACTOR, RELATIVE_ERROR};
+}
 pub use algo::Algorithm;
 pub use buffer::Workspace;
 pub use conv::{Conv1d, Conv2d, Options};

@@ -3,6 +3,7 @@
 use crate::algo::depthwise::{Depthwise, DwPlan};
 use crate::algo::direct::DirectPlan;
 use crate::algo::im2col_gemm::GemmPlan;
+use crate::algo::winograd::WinoPlan;
 use crate::algo::Algorithm;
 use crate::conv::{ConvInner, Packed};
 use crate::params::Geometry;
@@ -13,6 +14,7 @@ pub(crate) enum AlgoPlan {
     Im2colGemm(GemmPlan),
     Depthwise(DwPlan),
     Direct(DirectPlan),
+    Winograd(WinoPlan),
 }
 
 /// A convolution planned for one input size. Running it allocates nothing once the
@@ -63,6 +65,7 @@ impl Plan {
             AlgoPlan::Im2colGemm(p) => p.workspace_floats(),
             AlgoPlan::Depthwise(p) => p.workspace_floats(),
             AlgoPlan::Direct(_) => 0,
+            AlgoPlan::Winograd(p) => p.workspace_floats(),
         }
     }
 
@@ -77,9 +80,21 @@ impl Plan {
             (Packed::Depthwise(_), AlgoPlan::Depthwise(p)) => Depthwise::kernel_name(p),
             (Packed::Im2colGemm(a), _) => a.kernel_name().to_string(),
             (Packed::Direct(a), _) => a.kernel_name().to_string(),
+            (Packed::Winograd(a), _) => a.kernel_name(),
             (Packed::Depthwise(_), _) => unreachable!("a depthwise convolution plans a DwPlan"),
         };
         format!("{}/{}", self.conv.algorithm, kernel)
+    }
+
+    /// How many times a plain sum of products' rounding error this plan's results may carry:
+    /// 1, except for Winograd, whose transforms amplify rounding
+    /// ([`winograd::ERROR_FACTOR`](crate::winograd::ERROR_FACTOR)). Tests scale
+    /// [`Reference::tolerance`](crate::reference::Reference::tolerance) by it.
+    pub fn error_factor(&self) -> f64 {
+        match &self.conv.packed {
+            Packed::Winograd(a) => a.error_factor(),
+            _ => 1.0,
+        }
     }
 
     /// Direct-convolution flops (2 per multiply-add), the convention of GFLOP/s figures.
@@ -156,6 +171,15 @@ impl Plan {
                 residual,
                 output,
                 c.params.activation,
+            ),
+            (Packed::Winograd(a), AlgoPlan::Winograd(p)) => a.run(
+                p,
+                &self.geometry,
+                input,
+                residual,
+                output,
+                c.params.activation,
+                scratch,
             ),
             _ => unreachable!("a plan is made by its convolution's algorithm"),
         }

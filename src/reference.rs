@@ -149,14 +149,29 @@ impl Reference {
 
     /// Compares `out` against the reference with [`Reference::tolerance`].
     pub fn compare(&self, out: &[f32]) -> Comparison {
+        self.compare_scaled(out, 1.0)
+    }
+
+    /// Compares `out` against the reference with `factor` times [`Reference::tolerance`] (an
+    /// algorithm's [`Plan::error_factor`](crate::Plan::error_factor)). With a factor above 1
+    /// (Winograd) an output's error comes from its whole tile, not only its own terms, so the
+    /// tolerance is at least that of an output of average magnitude.
+    pub fn compare_scaled(&self, out: &[f32], factor: f64) -> Comparison {
         let mut c = Comparison::default();
+        let floor = if factor > 1.0 && !self.magnitude.is_empty() {
+            let mean = self.magnitude.iter().sum::<f64>() / self.magnitude.len() as f64;
+            let u = f32::EPSILON as f64 / 2.0;
+            8.0 * u * ((self.k_len as f64).sqrt() + 2.0) * mean
+        } else {
+            0.0
+        };
         for (i, (&y, &r)) in out.iter().zip(&self.values).enumerate() {
             if !y.is_finite() && r.is_finite() {
                 c.non_finite += 1;
                 continue;
             }
             let err = (y as f64 - r).abs();
-            let ratio = err / self.tolerance(i);
+            let ratio = err / (factor * self.tolerance(i).max(floor));
             c.max_abs = c.max_abs.max(err);
             if ratio > c.worst_ratio {
                 c.worst_ratio = ratio;

@@ -38,6 +38,12 @@ fn run_does_not_allocate() {
             ConvParams::conv2d(24, 32, [3, 3])
                 .with_padding(Padding::Same)
                 .with_activation(Activation::Silu),
+            "winograd/wino_f32_f6_2d",
+        ),
+        (
+            ConvParams::conv2d(24, 32, [3, 3])
+                .with_padding(Padding::Same)
+                .with_dilation([2, 2]),
             "im2col_gemm/",
         ),
         (

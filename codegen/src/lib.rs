@@ -14,6 +14,7 @@ mod direct;
 mod gemm;
 mod layout;
 mod simd;
+mod winograd;
 
 /// An instruction-set level a kernel is generated for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -221,6 +222,34 @@ pub fn direct_f32() -> Vec<DirectSpec> {
     specs
 }
 
+/// One Winograd tile size F(m, 3) and the finite interpolation points its Cook–Toom
+/// matrices are built from (`(numerator, denominator)`; infinity is always the last point).
+#[derive(Clone, Copy, Debug)]
+pub struct WinoSpec {
+    pub m: usize,
+    pub points: &'static [(i64, i64)],
+}
+
+/// The Winograd tile sizes. Points are the smallest magnitudes there are, in `±a` pairs (which
+/// halves the transforms' work, see `winograd.rs`) and, for F(6,3), with `±1/2` beside `±2`:
+/// reciprocal pairs keep the powers in `At` and `G` balanced (Barabasz et al., "Error analysis
+/// and improving the accuracy of Winograd convolution", 2020), so the error grows the least
+/// with the tile. Integral points keep `Bt` integral.
+pub const WINO_TILES: &[WinoSpec] = &[
+    WinoSpec {
+        m: 2,
+        points: &[(0, 1), (1, 1), (-1, 1)],
+    },
+    WinoSpec {
+        m: 4,
+        points: &[(0, 1), (1, 1), (-1, 1), (2, 1), (-2, 1)],
+    },
+    WinoSpec {
+        m: 6,
+        points: &[(0, 1), (1, 1), (-1, 1), (2, 1), (-2, 1), (1, 2), (-1, 2)],
+    },
+];
+
 /// A generated source file: its name and its formatted text.
 pub struct Generated {
     pub file: &'static str,
@@ -237,6 +266,10 @@ pub fn generate() -> Vec<Generated> {
         Generated {
             file: "dw_f32.rs",
             source: format_file(depthwise::emit_all(&dw_f32(), &direct_f32())),
+        },
+        Generated {
+            file: "wino_f32.rs",
+            source: format_file(winograd::emit_all(WINO_TILES)),
         },
         Generated {
             file: "layout.rs",

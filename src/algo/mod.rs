@@ -4,6 +4,7 @@
 pub mod depthwise;
 pub mod direct;
 pub(crate) mod im2col_gemm;
+pub mod winograd;
 
 use rayon::prelude::*;
 
@@ -23,15 +24,20 @@ pub enum Algorithm {
     /// Direct NCHW convolution straight from the input planes (dense or grouped), for the
     /// kernel sizes and strides the generator made a kernel for.
     Direct,
+    /// Winograd F(m, 3) for 3x3 and 1x3 stride-1 convolutions: transforms generated per tile
+    /// size, products as batched GEMMs. Faster than any sum of products, less exact: see
+    /// [`Precision`](crate::Precision) and the README's error table.
+    Winograd,
 }
 
 impl Algorithm {
     /// Every algorithm, in the order `convkit check` tries them.
-    pub const ALL: [Algorithm; 4] = [
+    pub const ALL: [Algorithm; 5] = [
         Algorithm::Im2colGemm,
         Algorithm::Depthwise,
         Algorithm::DepthwiseGeneric,
         Algorithm::Direct,
+        Algorithm::Winograd,
     ];
 
     pub fn name(self) -> &'static str {
@@ -40,6 +46,7 @@ impl Algorithm {
             Algorithm::Depthwise => "depthwise",
             Algorithm::DepthwiseGeneric => "depthwise_generic",
             Algorithm::Direct => "direct",
+            Algorithm::Winograd => "winograd",
         }
     }
 }

@@ -19,6 +19,28 @@ pub(crate) mod generated_layout {
     include!(concat!(env!("OUT_DIR"), "/layout.rs"));
 }
 
+pub(crate) use generated_layout::Transpose8x8;
+
+/// The generated Winograd transforms.
+#[allow(clippy::all)]
+pub(crate) mod generated_wino {
+    include!(concat!(env!("OUT_DIR"), "/wino_f32.rs"));
+}
+
+/// The generated Winograd transforms compiled for this target.
+pub(crate) fn wino_f32() -> &'static [crate::algo::winograd::WinoKernel] {
+    generated_wino::WINO_F32_KERNELS
+}
+
+/// The filter transform `G` (t x 3) of F(m, 3) and its interpolation points.
+pub(crate) fn wino_g(m: usize) -> &'static [[f64; 3]] {
+    generated_wino::WINO_G
+        .iter()
+        .find(|g| g.0 == m)
+        .map(|g| g.2)
+        .expect("every tile size of the Winograd registry has its G")
+}
+
 /// The best 8x8 transpose kernel `isa` can run.
 pub(crate) fn transpose_8x8(isa: Isa) -> generated_layout::Transpose8x8 {
     generated_layout::TRANSPOSE_8X8
@@ -191,6 +213,8 @@ pub enum Family {
     Depthwise,
     /// Direct (dense or grouped) NCHW kernels.
     Direct,
+    /// Winograd input and output transforms (the products run on the GEMM microkernels).
+    Winograd,
 }
 
 /// One generated kernel, as the registry describes it: what tests and benchmarks iterate.
@@ -204,6 +228,8 @@ pub struct KernelInfo {
     /// `Some((kernel, stride))` for a kernel unrolled for one square kernel and stride
     /// (dilation 1); `None` for one that takes any.
     pub fixed: Option<(usize, usize)>,
+    /// The kernel takes only 1-D convolutions (kernel height 1; `fixed` is then its width).
+    pub conv1d: bool,
 }
 
 /// Every generated kernel compiled for this target (whether or not this CPU can run it).
@@ -214,6 +240,7 @@ pub fn registry() -> Vec<KernelInfo> {
         family: Family::Gemm,
         layout: None,
         fixed: None,
+        conv1d: false,
     });
     let dw = dw_f32().iter().map(|k| KernelInfo {
         name: k.name,
@@ -221,6 +248,7 @@ pub fn registry() -> Vec<KernelInfo> {
         family: Family::Depthwise,
         layout: Some(k.layout),
         fixed: k.fixed,
+        conv1d: false,
     });
     let direct = direct_f32().iter().map(|k| KernelInfo {
         name: k.name,
@@ -228,8 +256,17 @@ pub fn registry() -> Vec<KernelInfo> {
         family: Family::Direct,
         layout: Some(crate::Layout::Nchw),
         fixed: Some(k.fixed),
+        conv1d: false,
     });
-    gemm.chain(dw).chain(direct).collect()
+    let wino = wino_f32().iter().map(|k| KernelInfo {
+        name: k.name,
+        isa: k.isa,
+        family: Family::Winograd,
+        layout: None,
+        fixed: Some((3, 1)),
+        conv1d: k.dims == 1,
+    });
+    gemm.chain(dw).chain(direct).chain(wino).collect()
 }
 
 /// The registry entry named `name`, or `Error::InvalidParameter` listing what there is.

@@ -39,6 +39,7 @@ pub fn main(args: &[String]) -> CliResult<bool> {
             "isa",
             "algorithm",
             "kernel",
+            "precision",
             "reps",
             "only",
             "layout",
@@ -88,6 +89,7 @@ pub fn main(args: &[String]) -> CliResult<bool> {
         isa: Some(isa),
         algorithm,
         kernel: kernel.map(|k| k.name),
+        precision: flags.parsed("precision")?.unwrap_or_default(),
     };
 
     // Notes go to stdout with the table, or to stderr when stdout is CSV.
@@ -148,7 +150,7 @@ fn bench_layer(layer: &Layer, options: Options, reps: usize) -> convkit::Result<
     let mut ws = Workspace::with_bytes(plan.workspace_bytes())?;
 
     plan.run(&p.input, &mut output, &mut ws)?;
-    let cmp = p.reference()?.compare(&output);
+    let cmp = p.reference()?.compare_scaled(&output, plan.error_factor());
 
     for _ in 0..WARMUP {
         plan.run(&p.input, &mut output, &mut ws)?;

@@ -45,6 +45,7 @@ pub fn main(args: &[String]) -> CliResult<bool> {
                     isa: Some(isa),
                     threads,
                     kernel: None,
+                    precision: Default::default(),
                 };
                 let label = format!(
                     "{:<width$}  {:<12} {:<7}",
@@ -58,7 +59,10 @@ pub fn main(args: &[String]) -> CliResult<bool> {
                         let plan = conv.plan(g.batch, g.h, g.w)?;
                         let mut output = layers::zeros(plan.output_len(), "output")?;
                         plan.run(&p.input, &mut output, &mut ws)?;
-                        Ok((plan.kernel_name(), reference.compare(&output)))
+                        Ok((
+                            plan.kernel_name(),
+                            reference.compare_scaled(&output, plan.error_factor()),
+                        ))
                     });
                 match result {
                     Err(Error::AlgorithmUnsupported { reason, .. }) => {

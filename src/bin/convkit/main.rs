@@ -19,7 +19,7 @@ Usage:
   convkit info
       CPU, ISA levels, threads, kernels and algorithms.
   convkit bench [--layers FILE] [--only NAME,...] [--threads N] [--isa LEVEL]
-                [--layout nchw|nhwc] [--algorithm NAME] [--kernel NAME] [--reps N]
+                [--layout nchw|nhwc] [--algorithm NAME] [--kernel NAME] [--precision P] [--reps N]
                 [--peak GFLOPS] [--csv]
       Check each layer once against the reference, then time it (median of --reps,
       default 7, repetitions of >= 20 ms each).
@@ -27,7 +27,7 @@ Usage:
       Every layer with every algorithm at every ISA level of this CPU, against the reference.
   convkit run --layer N,C_IN,H,W,C_OUT,KH,KW,SH,SW,PH,PW,DH,DW,GROUPS
               --input X.npy --weight W.npy [--bias B.npy] --output Y.npy
-              [--threads N] [--isa LEVEL]
+              [--threads N] [--isa LEVEL] [--precision P]
       One NCHW float32 convolution: input [n,c_in,h,w], weights [c_out,c_in/groups,kh,kw],
       bias [c_out] (height axes may be left out when h == 1 / kh == 1); writes
       [n,c_out,out_h,out_w].
@@ -42,6 +42,8 @@ Options:
   --layout L        run the suite's layers on nchw (default) or nhwc tensors
   --algorithm NAME  force an algorithm (see `convkit info`)
   --kernel NAME     force a generated kernel, at its ISA (see `convkit info`)
+  --precision P     exact (never Winograd), accurate (F(2,3), F(4,3) only) or balanced
+                    (default: F(6,3) too)
   --peak GFLOPS     per-core peak for the %peak column (default: measured at start-up)
   --csv             CSV instead of a table on stdout
 

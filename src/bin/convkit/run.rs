@@ -12,7 +12,14 @@ pub fn main(args: &[String]) -> CliResult<bool> {
     let flags = Flags::parse(
         args,
         &[
-            "layer", "input", "weight", "bias", "output", "threads", "isa",
+            "layer",
+            "input",
+            "weight",
+            "bias",
+            "output",
+            "threads",
+            "isa",
+            "precision",
         ],
         &[],
     )?;
@@ -53,6 +60,7 @@ pub fn main(args: &[String]) -> CliResult<bool> {
             isa: Some(isa),
             algorithm: None,
             kernel: None,
+            precision: flags.parsed("precision")?.unwrap_or_default(),
         },
     )?;
     let plan = conv.plan(s.batch, s.h, s.w)?;

@@ -1,0 +1,686 @@
+//! Winograd F(m, 3) for 3x3 (and 1x3) stride-1 convolutions, dense or grouped, both layouts.
+//!
+//! Each output tile of `m x m` pixels comes from a `t x t` input tile (`t = m + 2`): the input
+//! tile is transformed (`Bt d B`), multiplied element-wise by the transformed filter
+//! (`G g Gt`, computed once at create time), summed over input channels, and transformed back
+//! (`At M A`). Summing over channels makes the element-wise products `t²` independent GEMMs,
+//! one per position `ξ` of the transformed tile: `M_ξ[tiles x cout] = V_ξ[tiles x cin] ·
+//! U_ξ[cin x cout]`, run with the generated GEMM microkernels. F(m,3) needs `t²/m²` products
+//! an output pixel where direct convolution needs 9: 4 for F(2,3), 2.25 for F(4,3), 1.78 for
+//! F(6,3).
+//!
+//! Work is split into items of `chunk` tiles (in row-major tile order) of one image and group,
+//! sized so their transformed tiles stay in L2. Per item:
+//! 1. for each block of `lanes` input channels, the input rows under the item's tiles are
+//!    copied into a small padded pixel scratch (NCHW: 8x8 transposes; padding and ragged
+//!    edges are zeros there, so the whole input is never copied), each tile transformed by the
+//!    generated kernel, and the results transposed into the GEMM's A panels;
+//! 2. one GEMM per `ξ` (the transformed weights are the B operand, packed at create time);
+//! 3. for each block of output channels, each tile transformed back with the bias by the
+//!    generated kernel into a pixel scratch, then stored (NCHW: transposed) with the residual
+//!    and the activation.
+//!
+//! The transforms are generated from their interpolation points (`codegen/src/winograd.rs`).
+
+use super::{for_each_worker, SendPtr};
+use crate::buffer::AlignedBuf;
+use crate::cpu::{self, Isa};
+use crate::gemm::pack::{prepack, prepacked_len};
+use crate::gemm::{Blocking, GemmEpilogue, GemmKernel};
+use crate::params::{mul, Geometry};
+use crate::{Activation, ConvParams, Layout, Result};
+
+/// The input transform of one tile (see the generated kernels' docs).
+pub type WinoInFn = unsafe fn(src: *const f32, row: usize, dst: *mut f32, xi: usize);
+/// The output transform of one tile, with the bias.
+pub type WinoOutFn =
+    unsafe fn(src: *const f32, xi: usize, bias: *const f32, dst: *mut f32, row: usize);
+
+/// The generated transforms of one tile size, as the generator's registry lists them.
+pub struct WinoKernel {
+    pub name: &'static str,
+    pub isa: Isa,
+    /// The input transform.
+    pub func: WinoInFn,
+    pub output: WinoOutFn,
+    /// Output pixels a tile (per side).
+    pub m: usize,
+    /// 2: `m x m` tiles of a 3x3 convolution; 1: `m`-pixel tiles of a 1x3 one.
+    pub dims: usize,
+    /// Channels a vector.
+    pub lanes: usize,
+}
+
+impl WinoKernel {
+    /// Input pixels a tile, per side.
+    fn t(&self) -> usize {
+        self.m + 2
+    }
+    /// Positions of a transformed tile (`t²` or `t`): GEMMs per item.
+    fn xis(&self) -> usize {
+        self.t().pow(self.dims as u32)
+    }
+    /// Input rows of a tile.
+    fn rows_in(&self) -> usize {
+        if self.dims == 2 {
+            self.t()
+        } else {
+            1
+        }
+    }
+    /// Output rows of a tile.
+    fn rows_out(&self) -> usize {
+        if self.dims == 2 {
+            self.m
+        } else {
+            1
+        }
+    }
+}
+
+/// How accurate a convolution must be; decides whether (and with which tiles) Winograd may
+/// run. Errors are relative to the output's scale (`max |error| / rms(output)` on N(0,1)
+/// data), measured per tile in [`RELATIVE_ERROR`](crate::winograd::RELATIVE_ERROR).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Precision {
+    /// Never Winograd: every output a plain sum of products (about 1e-6).
+    Exact,
+    /// F(2,3) and F(4,3) only: within 4e-5.
+    Accurate,
+    /// Every tile, F(6,3) included, where it is the fastest: within 1e-4 (7e-5 measured at
+    /// up to 2048 input channels).
+    #[default]
+    Balanced,
+}
+
+impl Precision {
+    /// Every level, most exact first.
+    pub const ALL: [Precision; 3] = [Precision::Exact, Precision::Accurate, Precision::Balanced];
+
+    /// The largest Winograd tile this precision allows (0: none).
+    pub(crate) fn max_tile(self) -> usize {
+        match self {
+            Precision::Exact => 0,
+            Precision::Accurate => 4,
+            Precision::Balanced => 6,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::Exact => "exact",
+            Precision::Accurate => "accurate",
+            Precision::Balanced => "balanced",
+        }
+    }
+}
+
+impl std::str::FromStr for Precision {
+    type Err = crate::Error;
+    fn from_str(s: &str) -> Result<Self> {
+        Precision::ALL
+            .into_iter()
+            .find(|p| p.name() == s.trim())
+            .ok_or_else(|| crate::Error::InvalidParameter {
+                what: "precision",
+                detail: format!("{s:?} is not one of exact, accurate, balanced"),
+            })
+    }
+}
+
+/// Per tile size `m`: how many times a plain sum of products' rounding tolerance
+/// ([`Reference::tolerance`](crate::reference::Reference::tolerance)) its results stay within,
+/// about three times the worst seen on 300 random shapes per kernel (0.46, 2.7 and 5.3).
+pub const ERROR_FACTOR: [(usize, f64); 3] = [(2, 2.0), (4, 8.0), (6, 16.0)];
+
+/// Per tile size `m` and input channels: the largest `|result - reference| / rms(reference)`
+/// on N(0,1) inputs and weights (3x3, 16 output channels, 14x14 image with "same" padding, so
+/// tiles are ragged), measured by `tests/winograd.rs`, which asserts these bounds (each the
+/// measurement rounded up). Plain sums of products stay within 2e-6 on the same data.
+pub const RELATIVE_ERROR: [(usize, [(usize, f64); 4]); 3] = [
+    (2, [(8, 1e-6), (64, 2e-6), (512, 4e-6), (2048, 4e-6)]),
+    (4, [(8, 1.5e-5), (64, 2.5e-5), (512, 4e-5), (2048, 4e-5)]),
+    (6, [(8, 2e-5), (64, 4e-5), (512, 7e-5), (2048, 7e-5)]),
+];
+
+/// The dimensionality of the Winograd tiles that fit `p`, or why none does.
+fn dims_for(p: &ConvParams) -> std::result::Result<usize, String> {
+    if p.stride != [1, 1] || p.dilation != [1, 1] {
+        return Err(format!(
+            "Winograd takes stride 1 and dilation 1; got stride {:?}, dilation {:?}",
+            p.stride, p.dilation
+        ));
+    }
+    match p.kernel {
+        [3, 3] => Ok(2),
+        [1, 3] => Ok(1),
+        k => Err(format!(
+            "Winograd takes 3x3 and 1x3 kernels; got {}x{}",
+            k[0], k[1]
+        )),
+    }
+}
+
+/// The transforms of tile `m` at `isa` for `p`, or why there are none.
+pub(crate) fn kernel_for(
+    p: &ConvParams,
+    isa: Isa,
+    m: usize,
+) -> std::result::Result<&'static WinoKernel, String> {
+    let dims = dims_for(p)?;
+    cpu::wino_f32()
+        .iter()
+        .find(|k| k.isa == isa && k.m == m && k.dims == dims)
+        .ok_or_else(|| format!("no F({m},3) {dims}-D transforms generated for {isa}"))
+}
+
+pub(crate) struct Winograd {
+    kern: &'static WinoKernel,
+    gemm: &'static GemmKernel,
+    transpose: cpu::Transpose8x8,
+    layout: Layout,
+    cin_g: usize,
+    cout_g: usize,
+    /// Output channels rounded up to the GEMM's `nr` (a multiple of the vector).
+    cout_pad: usize,
+    /// `[group][ξ]` of `prepack(cout_g x cin_g, nr)`: the GEMMs' B operands.
+    u: AlignedBuf,
+    /// `[group][cout_pad]`, zero past the group's channels.
+    bias: Vec<f32>,
+}
+
+/// How one plan splits the work.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct WinoPlan {
+    tiles_y: usize,
+    tiles_x: usize,
+    /// Tiles an item, and that rounded up to the GEMM's `mr`.
+    chunk: usize,
+    chunk_pad: usize,
+    chunks: usize,
+    items: usize,
+    workers: usize,
+    /// K-block of the GEMMs.
+    kc: usize,
+    /// Longest run of an item's tiles in one tile row.
+    run: usize,
+    scratch_per_worker: usize,
+}
+
+impl WinoPlan {
+    pub(crate) fn workspace_floats(&self) -> usize {
+        self.workers * self.scratch_per_worker
+    }
+}
+
+/// Floats of transformed tiles (inputs and products) an item keeps: sized to stay in L2 (1 MiB
+/// on Zen 4) beside a K-block of the weights.
+const ITEM_FLOATS: usize = 160 * 1024;
+
+impl Winograd {
+    /// Why Winograd cannot run `p` at `isa`, if it cannot.
+    pub(crate) fn rejects(p: &ConvParams, isa: Isa) -> Option<String> {
+        kernel_for(p, isa, 2).err()
+    }
+
+    pub(crate) fn new(
+        p: &ConvParams,
+        weights: &[f32],
+        bias: Option<&[f32]>,
+        isa: Isa,
+        kern: &'static WinoKernel,
+    ) -> Result<Self> {
+        let gemm = cpu::gemm_f32(isa);
+        let (cin_g, cout_g, groups) = (
+            p.in_channels_per_group(),
+            p.out_channels_per_group(),
+            p.groups,
+        );
+        let (t, xis, nr) = (kern.t(), kern.xis(), gemm.nr);
+        let g_mat = cpu::wino_g(kern.m);
+        let cout_pad = cout_g.next_multiple_of(nr);
+        let per_xi = prepacked_len(cout_g, cin_g, nr);
+        let mut u = AlignedBuf::zeroed(
+            mul(&[groups, xis, per_xi], "Winograd weights")?,
+            "Winograd weights",
+        )?;
+        // The filter transform in f64, rounded once: G g Gt (2-D) or G g (1-D).
+        let taps = if kern.dims == 2 { 9 } else { 3 };
+        let mut ut = vec![0.0f64; xis * cout_g * cin_g];
+        for g in 0..groups {
+            for co in 0..cout_g {
+                for ci in 0..cin_g {
+                    let w = &weights[((g * cout_g + co) * cin_g + ci) * taps..][..taps];
+                    for xi in 0..xis {
+                        let (k, l) = (xi / t, xi % t);
+                        let v: f64 = if kern.dims == 2 {
+                            (0..3)
+                                .map(|i| {
+                                    g_mat[k][i]
+                                        * (0..3)
+                                            .map(|j| w[i * 3 + j] as f64 * g_mat[l][j])
+                                            .sum::<f64>()
+                                })
+                                .sum()
+                        } else {
+                            (0..3).map(|j| w[j] as f64 * g_mat[xi][j]).sum()
+                        };
+                        ut[(xi * cout_g + co) * cin_g + ci] = v;
+                    }
+                }
+            }
+            for xi in 0..xis {
+                let dst = &mut u.as_mut_slice()[(g * xis + xi) * per_xi..][..per_xi];
+                let src = &ut[xi * cout_g * cin_g..][..cout_g * cin_g];
+                prepack(dst, cout_g, cin_g, nr, |co, ci| src[co * cin_g + ci] as f32);
+            }
+        }
+        let mut padded = vec![0.0; groups * cout_pad];
+        if let Some(b) = bias {
+            for g in 0..groups {
+                padded[g * cout_pad..][..cout_g].copy_from_slice(&b[g * cout_g..][..cout_g]);
+            }
+        }
+        Ok(Winograd {
+            kern,
+            gemm,
+            transpose: cpu::transpose_8x8(isa),
+            layout: p.layout,
+            cin_g,
+            cout_g,
+            cout_pad,
+            u,
+            bias: padded,
+        })
+    }
+
+    pub(crate) fn error_factor(&self) -> f64 {
+        ERROR_FACTOR
+            .iter()
+            .find(|e| e.0 == self.kern.m)
+            .map_or(f64::INFINITY, |e| e.1)
+    }
+
+    pub(crate) fn kernel_name(&self) -> String {
+        format!("{}+{}", self.kern.name, self.gemm.name)
+    }
+
+    pub(crate) fn plan(&self, g: &Geometry, threads: usize) -> WinoPlan {
+        let (m, mr) = (self.kern.m, self.gemm.mr);
+        let tiles_y = g.oh.div_ceil(self.kern.rows_out());
+        let tiles_x = g.ow.div_ceil(m);
+        let tiles = tiles_y * tiles_x;
+        let per_tile = self.kern.xis() * (self.cin_g + self.cout_pad);
+        // As many tiles as fit the budget, at least one register block of the GEMM; then no
+        // more than an even share of the threads.
+        let mut chunk = (ITEM_FLOATS / per_tile / mr).max(1) * mr;
+        let units = g.batch * g.groups;
+        let t = threads.max(1);
+        if units < t {
+            let share = tiles.div_ceil(t.div_ceil(units)).next_multiple_of(mr);
+            chunk = chunk.min(share);
+        }
+        let chunk = chunk.min(tiles.next_multiple_of(mr)).min(tiles);
+        let chunk_pad = chunk.next_multiple_of(mr);
+        let chunks = tiles.div_ceil(chunk);
+        let items = units * chunks;
+        let workers = t.min(items);
+        let kc = Blocking::new(self.gemm, self.cin_g, self.gemm.nr, 1).kc;
+        let run = chunk.min(tiles_x);
+        let lanes = self.kern.lanes;
+        let xis = self.kern.xis();
+        let rin = self.kern.rows_in() * (run * m + 2) * lanes;
+        let rout = self.kern.rows_out() * run * m * lanes;
+        let scratch_per_worker =
+            xis * chunk_pad * (self.cin_g + self.cout_pad) + xis * chunk_pad * lanes + rin + rout;
+        WinoPlan {
+            tiles_y,
+            tiles_x,
+            chunk,
+            chunk_pad,
+            chunks,
+            items,
+            workers,
+            kc,
+            run,
+            scratch_per_worker,
+        }
+    }
+
+    /// Runs a planned convolution. Slice lengths were checked by the caller.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn run(
+        &self,
+        plan: &WinoPlan,
+        g: &Geometry,
+        input: &[f32],
+        residual: Option<&[f32]>,
+        output: &mut [f32],
+        activation: Activation,
+        scratch: &mut [f32],
+    ) {
+        let out = SendPtr(output.as_mut_ptr());
+        let scratch = &mut scratch[..plan.workspace_floats()];
+        for_each_worker(plan.workers, plan.items, scratch, |s, item| {
+            let unit = item / plan.chunks;
+            let p0 = item % plan.chunks * plan.chunk;
+            let p1 = (p0 + plan.chunk).min(plan.tiles_y * plan.tiles_x);
+            let job = Item {
+                n: unit / g.groups,
+                grp: unit % g.groups,
+                p0,
+                p1,
+            };
+            // SAFETY: items write disjoint tiles of the output (distinct image, group or
+            // tiles), which `output` covers: its length was checked. The kernels' ISA was
+            // checked at create time.
+            unsafe { self.run_item(plan, g, input, residual, out, activation, s, &job) };
+        });
+    }
+
+    /// One item: transform its tiles' inputs, the GEMMs, transform back and store.
+    ///
+    /// # Safety
+    /// No other item writes the item's output tiles; the kernels' ISA is this CPU's.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn run_item(
+        &self,
+        plan: &WinoPlan,
+        g: &Geometry,
+        input: &[f32],
+        residual: Option<&[f32]>,
+        out: SendPtr,
+        activation: Activation,
+        scratch: &mut [f32],
+        it: &Item,
+    ) {
+        let k = self.kern;
+        let (m, lanes, xis, mr) = (k.m, k.lanes, k.xis(), self.gemm.mr);
+        let (cin_g, cout_pad, pp) = (self.cin_g, self.cout_pad, plan.chunk_pad);
+        let (v, rest) = scratch.split_at_mut(xis * pp * cin_g);
+        let (mm, rest) = rest.split_at_mut(xis * pp * cout_pad);
+        let (tmp, rest) = rest.split_at_mut(xis * pp * lanes);
+        let cols_in = plan.run * m + 2;
+        let (rin, rout) = rest.split_at_mut(k.rows_in() * cols_in * lanes);
+        // Tiles past the item's last (up to `mr`) multiply zeros.
+        for xi in 0..xis {
+            tmp[(xi * pp + (it.p1 - it.p0)) * lanes..(xi + 1) * pp * lanes].fill(0.0);
+        }
+        // 1. Input transforms, a block of `lanes` input channels at a time.
+        for c0 in (0..cin_g).step_by(lanes) {
+            let cb = lanes.min(cin_g - c0);
+            for run in runs(it.p0, it.p1, plan.tiles_x) {
+                let y0 = (run.ty * k.rows_out()) as isize - g.pad_top as isize;
+                let x0 = (run.tx0 * m) as isize - g.pad_left as isize;
+                let cols = run.len * m + 2;
+                self.load_region(g, input, it, c0, cb, y0, x0, cols, rin);
+                for i in 0..run.len {
+                    let p = run.p - it.p0 + i;
+                    // SAFETY: the tile's rows_in x t pixels lie in the region (cols = len*m +
+                    // 2 wide); its xis vectors go to tmp[xi][p], inside tmp (p < chunk_pad).
+                    (k.func)(
+                        rin[i * m * lanes..].as_ptr(),
+                        cols * lanes,
+                        tmp[p * lanes..].as_mut_ptr(),
+                        pp * lanes,
+                    );
+                }
+            }
+            // tmp[xi][p][c] -> V[xi][p / mr][c0 + c][p % mr]: the GEMM's A panels.
+            for xi in 0..xis {
+                for q in 0..pp / mr {
+                    let src = &tmp[(xi * pp + q * mr) * lanes..][..mr * lanes];
+                    let dst = &mut v[((xi * (pp / mr) + q) * cin_g + c0) * mr..][..cb * mr];
+                    self.to_panel(src, lanes, cb, mr, dst);
+                }
+            }
+        }
+        // 2. One GEMM per position of the transformed tile.
+        let ep = GemmEpilogue {
+            accumulate: false,
+            last: false,
+            bias: std::ptr::null(),
+            bias_per_row: false,
+            residual: std::ptr::null(),
+            rs_residual: 0,
+            min: f32::NEG_INFINITY,
+            max: f32::INFINITY,
+        };
+        let (nr, panels) = (self.gemm.nr, cout_pad / self.gemm.nr);
+        let per_xi = panels * cin_g * nr;
+        let u = self.u.as_slice();
+        for xi in 0..xis {
+            let ub = &u[(it.grp * xis + xi) * per_xi..][..per_xi];
+            for k0 in (0..cin_g).step_by(plan.kc) {
+                let kc = plan.kc.min(cin_g - k0);
+                let ep = GemmEpilogue {
+                    accumulate: k0 > 0,
+                    ..ep
+                };
+                for j in 0..panels {
+                    let b = ub[(j * cin_g + k0) * nr..].as_ptr();
+                    for q in 0..pp / mr {
+                        let a = v[((xi * (pp / mr) + q) * cin_g + k0) * mr..].as_ptr();
+                        let c = mm[(xi * pp + q * mr) * cout_pad + j * nr..].as_mut_ptr();
+                        // SAFETY: the A panel holds kc steps of mr floats, the B panel kc of
+                        // nr; C is mr rows of nr floats cout_pad apart inside M.
+                        (self.gemm.func)(kc, a, b, c, cout_pad as isize, mr, nr, &ep);
+                    }
+                }
+            }
+        }
+        // 3. Output transforms, a block of `lanes` output channels at a time.
+        let cols_out = plan.run * m;
+        for co in (0..self.cout_g).step_by(lanes) {
+            let cb = lanes.min(self.cout_g - co);
+            let bias = self.bias[it.grp * cout_pad + co..].as_ptr();
+            for run in runs(it.p0, it.p1, plan.tiles_x) {
+                for i in 0..run.len {
+                    let p = run.p - it.p0 + i;
+                    // SAFETY: M holds xis x chunk_pad rows of cout_pad floats, and co + lanes
+                    // <= cout_pad; the tile's rows_out x m pixels lie in rout.
+                    (k.output)(
+                        mm[p * cout_pad + co..].as_ptr(),
+                        pp * cout_pad,
+                        bias,
+                        rout[i * m * lanes..].as_mut_ptr(),
+                        cols_out * lanes,
+                    );
+                }
+                self.store_region(
+                    g, &run, it, co, cb, cols_out, rout, residual, out, activation,
+                );
+            }
+        }
+    }
+
+    /// Input channels `c0..c0+cb` of the group, rows `y0..` and columns `x0..x0+cols` (zero
+    /// outside the image), into `rin` as `[row][col][lanes]`.
+    #[allow(clippy::too_many_arguments)]
+    fn load_region(
+        &self,
+        g: &Geometry,
+        input: &[f32],
+        it: &Item,
+        c0: usize,
+        cb: usize,
+        y0: isize,
+        x0: isize,
+        cols: usize,
+        rin: &mut [f32],
+    ) {
+        let lanes = self.kern.lanes;
+        let rows = self.kern.rows_in();
+        let rin = &mut rin[..rows * cols * lanes];
+        let xa = (-x0).clamp(0, cols as isize) as usize;
+        let xb = (g.w as isize - x0).clamp(xa as isize, cols as isize) as usize;
+        let cfirst = it.grp * self.cin_g + c0;
+        for r in 0..rows {
+            let y = y0 + r as isize;
+            let row = &mut rin[r * cols * lanes..][..cols * lanes];
+            if y < 0 || y >= g.h as isize || xa == xb {
+                row.fill(0.0);
+                continue;
+            }
+            row[..xa * lanes].fill(0.0);
+            row[xb * lanes..].fill(0.0);
+            let (y, xs) = (y as usize, (x0 + xa as isize) as usize);
+            match self.layout {
+                Layout::Nchw => {
+                    let hw = g.h * g.w;
+                    let plane0 = (it.n * g.c_in + cfirst) * hw + y * g.w + xs;
+                    let n = xb - xa;
+                    let (c8, n8) = (cb / 8 * 8, n / 8 * 8);
+                    for c in (0..c8).step_by(8) {
+                        for x in (0..n8).step_by(8) {
+                            let src = &input[plane0 + c * hw + x..][..7 * hw + 8];
+                            let dst = &mut row[(xa + x) * lanes + c..][..7 * lanes + 8];
+                            // SAFETY: 8 rows of 8 floats, `hw` apart in `src` and `lanes`
+                            // apart in `dst`, lie in the two slices (their lengths); the
+                            // transpose's ISA is this CPU's.
+                            unsafe { (self.transpose)(src.as_ptr(), hw, dst.as_mut_ptr(), lanes) };
+                        }
+                    }
+                    for x in 0..n {
+                        let px = &mut row[(xa + x) * lanes..][..lanes];
+                        let chans = if x < n8 { c8..cb } else { 0..cb };
+                        for c in chans {
+                            px[c] = input[plane0 + c * hw + x];
+                        }
+                        px[cb..].fill(0.0);
+                    }
+                }
+                Layout::Nhwc => {
+                    let first = ((it.n * g.h + y) * g.w + xs) * g.c_in + cfirst;
+                    for x in 0..xb - xa {
+                        let px = &mut row[(xa + x) * lanes..][..lanes];
+                        px[..cb].copy_from_slice(&input[first + x * g.c_in..][..cb]);
+                        px[cb..].fill(0.0);
+                    }
+                }
+            }
+        }
+    }
+
+    /// `src` (`mr` tiles of `lanes` channels) into `dst` (`cb` channels of `mr` tiles).
+    fn to_panel(&self, src: &[f32], lanes: usize, cb: usize, mr: usize, dst: &mut [f32]) {
+        let c8 = if mr == 8 { cb / 8 * 8 } else { 0 };
+        for c in (0..c8).step_by(8) {
+            // SAFETY: 8 rows of 8 floats, `lanes` apart in src (mr = 8 rows of `lanes`) and
+            // 8 apart in dst (channels c..c+8 of cb); the transpose's ISA is this CPU's.
+            unsafe { (self.transpose)(src[c..].as_ptr(), lanes, dst[c * 8..].as_mut_ptr(), 8) };
+        }
+        for c in c8..cb {
+            for i in 0..mr {
+                dst[c * mr + i] = src[i * lanes + c];
+            }
+        }
+    }
+
+    /// Output channels `co..co+cb` of the group for a run of tiles, from `rout`
+    /// (`[row][col][lanes]`, `cols` wide), into the output with the residual and activation.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn store_region(
+        &self,
+        g: &Geometry,
+        run: &Run,
+        it: &Item,
+        co: usize,
+        cb: usize,
+        cols: usize,
+        rout: &[f32],
+        residual: Option<&[f32]>,
+        out: SendPtr,
+        activation: Activation,
+    ) {
+        let (m, lanes) = (self.kern.m, self.kern.lanes);
+        let ox0 = run.tx0 * m;
+        let n = (run.len * m).min(g.ow - ox0);
+        let cfirst = it.grp * self.cout_g + co;
+        let ohw = g.oh * g.ow;
+        let finish = |seg: &mut [f32], at: usize| {
+            if let Some(r) = residual {
+                let len = seg.len();
+                for (v, r) in seg.iter_mut().zip(&r[at..at + len]) {
+                    *v += r;
+                }
+            }
+            if activation != Activation::None {
+                activation.apply_slice(seg);
+            }
+        };
+        for a in 0..self.kern.rows_out() {
+            let y = run.ty * self.kern.rows_out() + a;
+            if y >= g.oh {
+                break;
+            }
+            let row = &rout[a * cols * lanes..][..cols * lanes];
+            match self.layout {
+                Layout::Nchw => {
+                    let plane0 = (it.n * g.c_out + cfirst) * ohw + y * g.ow + ox0;
+                    let (c8, n8) = (cb / 8 * 8, n / 8 * 8);
+                    for c in (0..c8).step_by(8) {
+                        for x in (0..n8).step_by(8) {
+                            // SAFETY: 8 pixels x 8 channels of rout (rows `lanes` apart) into
+                            // 8 planes' runs of 8 (rows `ohw` apart), all inside this item's
+                            // output tiles and channels.
+                            (self.transpose)(
+                                row[x * lanes + c..].as_ptr(),
+                                lanes,
+                                out.get().add(plane0 + c * ohw + x),
+                                ohw,
+                            );
+                        }
+                    }
+                    for c in 0..cb {
+                        let xs = if c < c8 { n8..n } else { 0..n };
+                        for x in xs {
+                            *out.get().add(plane0 + c * ohw + x) = row[x * lanes + c];
+                        }
+                        let at = plane0 + c * ohw;
+                        finish(std::slice::from_raw_parts_mut(out.get().add(at), n), at);
+                    }
+                }
+                Layout::Nhwc => {
+                    let first = ((it.n * g.oh + y) * g.ow + ox0) * g.c_out + cfirst;
+                    for x in 0..n {
+                        let at = first + x * g.c_out;
+                        let seg = std::slice::from_raw_parts_mut(out.get().add(at), cb);
+                        seg.copy_from_slice(&row[x * lanes..][..cb]);
+                        finish(seg, at);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The tiles of one work item: image `n`, group `grp`, tiles `p0..p1` in row-major order.
+struct Item {
+    n: usize,
+    grp: usize,
+    p0: usize,
+    p1: usize,
+}
+
+/// Tiles `p..p+len` of an item that lie in one tile row: row `ty`, columns `tx0..tx0+len`.
+struct Run {
+    p: usize,
+    ty: usize,
+    tx0: usize,
+    len: usize,
+}
+
+/// The runs of tiles `p0..p1` (row-major over rows of `tiles_x` tiles).
+fn runs(p0: usize, p1: usize, tiles_x: usize) -> impl Iterator<Item = Run> {
+    let mut p = p0;
+    std::iter::from_fn(move || {
+        (p < p1).then(|| {
+            let (ty, tx0) = (p / tiles_x, p % tiles_x);
+            let len = (tiles_x - tx0).min(p1 - p);
+            let run = Run { p, ty, tx0, len };
+            p += len;
+            run
+        })
+    })
+}
