@@ -30,6 +30,9 @@ pub struct Options {
     pub kernel: Option<&'static str>,
     /// How exact the result must be: whether Winograd may run, and with which tiles.
     pub precision: Precision,
+    /// The input size (height, width) plans will mostly use, if known: choices made at create
+    /// time that depend on it (Winograd's tile) use it. Any size still plans and runs.
+    pub input_hint: Option<[usize; 2]>,
 }
 
 impl Options {
@@ -139,7 +142,7 @@ impl Conv2d {
             Algorithm::Winograd => {
                 let m = match wino_kernel {
                     Some(k) => k.m,
-                    None => winograd_tile(&params, options.precision),
+                    None => winograd_tile(&params, options.precision, options.input_hint),
                 };
                 // The kernel of that tile for this shape: a forced one must be it (2-D or 1-D).
                 let kern = winograd::kernel_for(&params, isa, m)
@@ -257,10 +260,35 @@ const DIRECT_MAX_CIN: usize = 16;
 /// The fewest input and output channels a group for which the choice runs Winograd.
 const WINOGRAD_MIN_CHANNELS: usize = 16;
 
-/// The Winograd tile for `params` at `precision`: the largest the precision allows.
-fn winograd_tile(_params: &ConvParams, precision: Precision) -> usize {
-    precision.max_tile().clamp(2, 6)
+/// The Winograd tile (`m` of F(m,3)) for `params`: of those `precision` allows, the one with
+/// the least work on an image of `hint`'s size, or F(4,3) without a hint (on the suite it is
+/// never the slowest, and within 10% of the best on 14x14 to 224x224 images).
+///
+/// Work: the GEMMs do `(m+2)^2` products a tile for whole register blocks of tiles
+/// (`TILE_BLOCK`), and each bigger tile does less transform work an output (weighted by
+/// `1 - m/20`). Measured (`convkit bench --kernel`, one thread, AVX-512, three interleaved
+/// rounds, GFLOP/s F(2,3) / F(4,3) / F(6,3)): 7x7 87 / 79 / 42; 14x14 176 / 294 / 132; 28x28
+/// 206 / 275 / 305; 56x56 189 / 258 / 284; 224x224 173 / 263 / 273.
+fn winograd_tile(params: &ConvParams, precision: Precision, hint: Option<[usize; 2]>) -> usize {
+    let one_d = params.kernel[0] == 1;
+    let Some([h, w]) = hint else {
+        return precision.max_tile().min(4);
+    };
+    let cost = |m: usize| {
+        let tiles_y = if one_d { h.max(1) } else { h.div_ceil(m) };
+        let tiles = tiles_y * w.div_ceil(m);
+        let side = (m + 2) * if one_d { 1 } else { m + 2 };
+        (tiles.next_multiple_of(TILE_BLOCK) * side) as f64 * (1.0 - m as f64 / 20.0)
+    };
+    [2, 4, 6]
+        .into_iter()
+        .filter(|&m| m <= precision.max_tile())
+        .min_by(|&a, &b| cost(a).total_cmp(&cost(b)))
+        .unwrap_or(2)
 }
+
+/// Tiles the Winograd GEMMs take at a time (the AVX-512 and NEON kernels' rows).
+const TILE_BLOCK: usize = 8;
 
 /// A 1-D convolution: a thin front over [`Conv2d`] with height 1. Weights are
 /// `out x in/groups x kernel`; tensors are NCW (or NWC with `Layout::Nhwc`).

@@ -148,6 +148,7 @@ fn check(case: &Case) -> Result<(), TestCaseError> {
                     algorithm,
                     kernel: None,
                     precision: convkit::Precision::Balanced,
+                    input_hint: Some([case.h, case.w]),
                 };
                 let conv = match Conv2d::new(*p, &weights, bias.as_deref(), opts) {
                     Err(Error::AlgorithmUnsupported { .. }) if algorithm.is_some() => continue,

@@ -38,7 +38,7 @@ fn run_does_not_allocate() {
             ConvParams::conv2d(24, 32, [3, 3])
                 .with_padding(Padding::Same)
                 .with_activation(Activation::Silu),
-            "winograd/wino_f32_f6_2d",
+            "winograd/wino_f32_f4_2d",
         ),
         (
             ConvParams::conv2d(24, 32, [3, 3])

@@ -68,6 +68,7 @@ fn chosen(p: ConvParams, precision: Precision) -> String {
     let opts = Options {
         precision,
         threads: 1,
+        input_hint: Some([28, 28]),
         ..Options::default()
     };
     Conv2d::new(p, &w, None, opts)
@@ -101,6 +102,32 @@ fn precision_decides_whether_and_which_winograd_runs() {
             Conv2d::new(q, &w, None, forced),
             Err(convkit::Error::AlgorithmUnsupported { .. })
         ));
+    }
+}
+
+#[test]
+fn the_tile_follows_the_image_size() {
+    let p = ConvParams::conv2d(64, 64, [3, 3]).with_padding(Padding::Same);
+    let w = vec![0.1; p.weights_len().unwrap()];
+    for (hint, tile) in [
+        (None, "f4"),
+        (Some([7, 7]), "f2"),
+        (Some([14, 14]), "f4"),
+        (Some([56, 56]), "f6"),
+    ] {
+        let opts = Options {
+            input_hint: hint,
+            ..Options::default()
+        };
+        let name = Conv2d::new(p, &w, None, opts)
+            .unwrap()
+            .plan(1, 20, 20)
+            .unwrap()
+            .kernel_name();
+        assert!(
+            name.contains(&format!("wino_f32_{tile}_")),
+            "{hint:?}: {name}"
+        );
     }
 }
 

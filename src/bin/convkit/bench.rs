@@ -90,6 +90,7 @@ pub fn main(args: &[String]) -> CliResult<bool> {
         algorithm,
         kernel: kernel.map(|k| k.name),
         precision: flags.parsed("precision")?.unwrap_or_default(),
+        input_hint: None,
     };
 
     // Notes go to stdout with the table, or to stderr when stdout is CSV.
@@ -143,6 +144,10 @@ pub fn main(args: &[String]) -> CliResult<bool> {
 /// Create, plan, check once against the reference, then time.
 fn bench_layer(layer: &Layer, options: Options, reps: usize) -> convkit::Result<Measured> {
     let p = Prepared::new(layer)?;
+    let options = Options {
+        input_hint: Some([p.geometry.h, p.geometry.w]),
+        ..options
+    };
     let conv = Conv2d::new(p.params, &p.weights, Some(&p.bias), options)?;
     let g = &p.geometry;
     let plan = conv.plan(g.batch, g.h, g.w)?;

@@ -46,6 +46,7 @@ pub fn main(args: &[String]) -> CliResult<bool> {
                     threads,
                     kernel: None,
                     precision: Default::default(),
+                    input_hint: Some([p.geometry.h, p.geometry.w]),
                 };
                 let label = format!(
                     "{:<width$}  {:<12} {:<7}",

@@ -61,6 +61,7 @@ pub fn main(args: &[String]) -> CliResult<bool> {
             algorithm: None,
             kernel: None,
             precision: flags.parsed("precision")?.unwrap_or_default(),
+            input_hint: Some([s.h, s.w]),
         },
     )?;
     let plan = conv.plan(s.batch, s.h, s.w)?;
