@@ -225,6 +225,8 @@ impl Conv2d {
 /// - NCHW grouped convolutions with few channels a group, and stems with at most 4 input
 ///   channels, run the direct kernels where the generator made one for their shape: GEMM
 ///   reuses too little there (measured in `convkit bench`, see the README's table);
+/// - 3x3 and 1x3 stride-1 convolutions with at least 16 input channels a group run Winograd
+///   (unless `Precision::Exact`): 2-3x GEMM's speed on the suite's 3x3 layers;
 /// - everything else runs im2col + GEMM, which takes every shape.
 fn choose(params: &ConvParams, isa: Isa, precision: Precision) -> Algorithm {
     let grouped = params.groups > 1 && params.groups < params.in_channels;
@@ -235,7 +237,7 @@ fn choose(params: &ConvParams, isa: Isa, precision: Precision) -> Algorithm {
         Algorithm::Depthwise
     } else if precision != Precision::Exact
         && params.in_channels_per_group() >= WINOGRAD_MIN_CHANNELS
-        && params.out_channels_per_group() >= WINOGRAD_MIN_CHANNELS
+        && params.out_channels_per_group() >= crate::cpu::gemm_f32(isa).nr
         && Winograd::rejects(params, isa).is_none()
     {
         Algorithm::Winograd
@@ -257,7 +259,12 @@ fn choose(params: &ConvParams, isa: Isa, precision: Precision) -> Algorithm {
 /// channels 93-99 vs 41-60; 16 channels 56x56 95-100 vs 72-102, a tie, so no more than 16.
 const DIRECT_MAX_CIN: usize = 16;
 
-/// The fewest input and output channels a group for which the choice runs Winograd.
+/// The fewest input channels a group for which the choice runs Winograd; it also wants a
+/// whole GEMM panel of output channels (`nr`: 32 at AVX-512, 16 at AVX2). Measured with
+/// `convkit bench` (one thread, AVX-512, three rounds, GFLOP/s GEMM / direct / Winograd) on
+/// 3x3 layers: 8 -> 8 channels 56x56 57 / 93 / 31; 16 -> 16 74 / 99 / 90; 16 -> 32 112x112
+/// 87 / 114 / 208; 32 -> 32 56x56 86 / 102 / 225; 2 groups of 64 28x28 94 / 103 / 248;
+/// 1024 -> 1024 7x7 69 / 52 / 96.
 const WINOGRAD_MIN_CHANNELS: usize = 16;
 
 /// The Winograd tile (`m` of F(m,3)) for `params`: of those `precision` allows, the one with

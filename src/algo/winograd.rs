@@ -310,20 +310,22 @@ impl Winograd {
         let tiles_y = g.oh.div_ceil(self.kern.rows_out());
         let tiles_x = g.ow.div_ceil(m);
         let tiles = tiles_y * tiles_x;
+        // Items take tiles of every image of the batch (of one group): more tiles an item
+        // means more reuse of each block of transformed weights.
+        let tiles = tiles * g.batch;
         let per_tile = self.kern.xis() * (self.cin_g + self.cout_pad);
         // As many tiles as fit the budget, at least one register block of the GEMM; then no
         // more than an even share of the threads.
         let mut chunk = (ITEM_FLOATS / per_tile / mr).max(1) * mr;
-        let units = g.batch * g.groups;
         let t = threads.max(1);
-        if units < t {
-            let share = tiles.div_ceil(t.div_ceil(units)).next_multiple_of(mr);
+        if g.groups < t {
+            let share = tiles.div_ceil(t.div_ceil(g.groups)).next_multiple_of(mr);
             chunk = chunk.min(share);
         }
-        let chunk = chunk.min(tiles.next_multiple_of(mr)).min(tiles);
+        let chunk = chunk.min(tiles);
         let chunk_pad = chunk.next_multiple_of(mr);
         let chunks = tiles.div_ceil(chunk);
-        let items = units * chunks;
+        let items = g.groups * chunks;
         let workers = t.min(items);
         let kc = Blocking::new(self.gemm, self.cin_g, self.gemm.nr, 1).kc;
         let run = chunk.min(tiles_x);
@@ -361,18 +363,15 @@ impl Winograd {
     ) {
         let out = SendPtr(output.as_mut_ptr());
         let scratch = &mut scratch[..plan.workspace_floats()];
+        let tiles = plan.tiles_y * plan.tiles_x * g.batch;
         for_each_worker(plan.workers, plan.items, scratch, |s, item| {
-            let unit = item / plan.chunks;
             let p0 = item % plan.chunks * plan.chunk;
-            let p1 = (p0 + plan.chunk).min(plan.tiles_y * plan.tiles_x);
             let job = Item {
-                n: unit / g.groups,
-                grp: unit % g.groups,
+                grp: item / plan.chunks,
                 p0,
-                p1,
+                p1: (p0 + plan.chunk).min(tiles),
             };
-            // SAFETY: items write disjoint tiles of the output (distinct image, group or
-            // tiles), which `output` covers: its length was checked. The kernels' ISA was
+            // SAFETY: items write disjoint tiles of the output (distinct group or tiles), which `output` covers: its length was checked. The kernels' ISA was
             // checked at create time.
             unsafe { self.run_item(plan, g, input, residual, out, activation, s, &job) };
         });
@@ -409,11 +408,11 @@ impl Winograd {
         // 1. Input transforms, a block of `lanes` input channels at a time.
         for c0 in (0..cin_g).step_by(lanes) {
             let cb = lanes.min(cin_g - c0);
-            for run in runs(it.p0, it.p1, plan.tiles_x) {
+            for run in runs(it.p0, it.p1, plan) {
                 let y0 = (run.ty * k.rows_out()) as isize - g.pad_top as isize;
                 let x0 = (run.tx0 * m) as isize - g.pad_left as isize;
                 let cols = run.len * m + 2;
-                self.load_region(g, input, it, c0, cb, y0, x0, cols, rin);
+                self.load_region(g, input, run.n, it.grp, c0, cb, y0, x0, cols, rin);
                 for i in 0..run.len {
                     let p = run.p - it.p0 + i;
                     // SAFETY: the tile's rows_in x t pixels lie in the region (cols = len*m +
@@ -474,7 +473,7 @@ impl Winograd {
         for co in (0..self.cout_g).step_by(lanes) {
             let cb = lanes.min(self.cout_g - co);
             let bias = self.bias[it.grp * cout_pad + co..].as_ptr();
-            for run in runs(it.p0, it.p1, plan.tiles_x) {
+            for run in runs(it.p0, it.p1, plan) {
                 for i in 0..run.len {
                     let p = run.p - it.p0 + i;
                     // SAFETY: M holds xis x chunk_pad rows of cout_pad floats, and co + lanes
@@ -501,7 +500,8 @@ impl Winograd {
         &self,
         g: &Geometry,
         input: &[f32],
-        it: &Item,
+        n: usize,
+        grp: usize,
         c0: usize,
         cb: usize,
         y0: isize,
@@ -514,7 +514,7 @@ impl Winograd {
         let rin = &mut rin[..rows * cols * lanes];
         let xa = (-x0).clamp(0, cols as isize) as usize;
         let xb = (g.w as isize - x0).clamp(xa as isize, cols as isize) as usize;
-        let cfirst = it.grp * self.cin_g + c0;
+        let cfirst = grp * self.cin_g + c0;
         for r in 0..rows {
             let y = y0 + r as isize;
             let row = &mut rin[r * cols * lanes..][..cols * lanes];
@@ -528,7 +528,7 @@ impl Winograd {
             match self.layout {
                 Layout::Nchw => {
                     let hw = g.h * g.w;
-                    let plane0 = (it.n * g.c_in + cfirst) * hw + y * g.w + xs;
+                    let plane0 = (n * g.c_in + cfirst) * hw + y * g.w + xs;
                     let n = xb - xa;
                     let (c8, n8) = (cb / 8 * 8, n / 8 * 8);
                     for c in (0..c8).step_by(8) {
@@ -551,7 +551,7 @@ impl Winograd {
                     }
                 }
                 Layout::Nhwc => {
-                    let first = ((it.n * g.h + y) * g.w + xs) * g.c_in + cfirst;
+                    let first = ((n * g.h + y) * g.w + xs) * g.c_in + cfirst;
                     for x in 0..xb - xa {
                         let px = &mut row[(xa + x) * lanes..][..lanes];
                         px[..cb].copy_from_slice(&input[first + x * g.c_in..][..cb]);
@@ -617,7 +617,7 @@ impl Winograd {
             let row = &rout[a * cols * lanes..][..cols * lanes];
             match self.layout {
                 Layout::Nchw => {
-                    let plane0 = (it.n * g.c_out + cfirst) * ohw + y * g.ow + ox0;
+                    let plane0 = (run.n * g.c_out + cfirst) * ohw + y * g.ow + ox0;
                     let (c8, n8) = (cb / 8 * 8, n / 8 * 8);
                     for c in (0..c8).step_by(8) {
                         for x in (0..n8).step_by(8) {
@@ -642,7 +642,7 @@ impl Winograd {
                     }
                 }
                 Layout::Nhwc => {
-                    let first = ((it.n * g.oh + y) * g.ow + ox0) * g.c_out + cfirst;
+                    let first = ((run.n * g.oh + y) * g.ow + ox0) * g.c_out + cfirst;
                     for x in 0..n {
                         let at = first + x * g.c_out;
                         let seg = std::slice::from_raw_parts_mut(out.get().add(at), cb);
@@ -655,30 +655,39 @@ impl Winograd {
     }
 }
 
-/// The tiles of one work item: image `n`, group `grp`, tiles `p0..p1` in row-major order.
+/// The tiles of one work item: group `grp`, tiles `p0..p1` in row-major order over the
+/// batch's images.
 struct Item {
-    n: usize,
     grp: usize,
     p0: usize,
     p1: usize,
 }
 
-/// Tiles `p..p+len` of an item that lie in one tile row: row `ty`, columns `tx0..tx0+len`.
+/// Tiles `p..p+len` of an item that lie in one tile row: image `n`, row `ty`, columns
+/// `tx0..tx0+len`.
 struct Run {
     p: usize,
+    n: usize,
     ty: usize,
     tx0: usize,
     len: usize,
 }
 
-/// The runs of tiles `p0..p1` (row-major over rows of `tiles_x` tiles).
-fn runs(p0: usize, p1: usize, tiles_x: usize) -> impl Iterator<Item = Run> {
+/// The runs of tiles `p0..p1` (row-major over the plan's rows of tiles, image after image).
+fn runs(p0: usize, p1: usize, plan: &WinoPlan) -> impl Iterator<Item = Run> {
+    let (tiles_x, tiles_y) = (plan.tiles_x, plan.tiles_y);
     let mut p = p0;
     std::iter::from_fn(move || {
         (p < p1).then(|| {
-            let (ty, tx0) = (p / tiles_x, p % tiles_x);
+            let (row, tx0) = (p / tiles_x, p % tiles_x);
             let len = (tiles_x - tx0).min(p1 - p);
-            let run = Run { p, ty, tx0, len };
+            let run = Run {
+                p,
+                n: row / tiles_y,
+                ty: row % tiles_y,
+                tx0,
+                len,
+            };
             p += len;
             run
         })
