@@ -39,7 +39,12 @@ pub fn emit_all(specs: &[GemmSpec]) -> TokenStream {
                 Some(_) => some(format!("{}_rows", half_name(s))),
                 None => quote!(None),
             };
-            let fields = quote!(mr: #mr, nr: #nr, half: #half, rows: #rows, half_rows: #half_rows,);
+            let short = if short_rows(s).is_some() {
+                some(format!("{}_short", s.name()))
+            } else {
+                quote!(None)
+            };
+            let fields = quote!(mr: #mr, nr: #nr, half: #half, short: #short, rows: #rows, half_rows: #half_rows,);
             registry_entry(&s.name(), s.isa, fields)
         })
         .collect();
@@ -62,6 +67,15 @@ fn half_width(spec: &GemmSpec) -> Option<usize> {
     (half >= lanes && half.is_multiple_of(lanes)).then_some(half)
 }
 
+/// Rows of the short edge kernel: half the tile, where that still keeps enough accumulators
+/// (8, two vectors a row) to hide the multiply-add latency. A last register block of at most
+/// `mr/2` rows (a batch of Winograd tiles that does not fill the tile) then costs half.
+fn short_rows(spec: &GemmSpec) -> Option<usize> {
+    let v = simd(spec.isa)?;
+    let rows = spec.mr / 2;
+    (rows * spec.nr / v.lanes >= 8 && rows >= 2).then_some(rows)
+}
+
 fn half_name(spec: &GemmSpec) -> String {
     format!("{}_half", spec.name())
 }
@@ -79,6 +93,7 @@ fn emit_kernel(spec: &GemmSpec) -> TokenStream {
                     spec.nr,
                     &format!("{}{suffix}", spec.name()),
                     rows,
+                    spec.mr,
                 ));
                 if let Some(cols) = half_width(spec) {
                     out.extend(emit_simd(
@@ -87,8 +102,13 @@ fn emit_kernel(spec: &GemmSpec) -> TokenStream {
                         cols,
                         &format!("{}{suffix}", half_name(spec)),
                         rows,
+                        spec.mr,
                     ));
                 }
+            }
+            if let Some(m) = short_rows(spec) {
+                let name = format!("{}_short", spec.name());
+                out.extend(emit_simd(spec, &v, spec.nr, &name, false, m));
             }
             out
         }
@@ -120,16 +140,38 @@ fn doc(spec: &GemmSpec, cols: usize) -> String {
 /// With `rows`, B comes as row pointers instead of a packed panel: step `k` reads `cols`
 /// floats at `b_rows[k] + b_off`. The driver uses that where each row already lies contiguous
 /// in a shifted copy of the input, so the B panel needs no packing at all.
-fn emit_simd(spec: &GemmSpec, v: &Simd, cols: usize, name: &str, rows: bool) -> TokenStream {
+///
+/// `m_rows` (at most `mr`) is the rows it computes: A panels still hold `mr` values a step.
+fn emit_simd(
+    spec: &GemmSpec,
+    v: &Simd,
+    cols: usize,
+    name: &str,
+    rows: bool,
+    m_rows: usize,
+) -> TokenStream {
     assert!(
         spec.nr.is_multiple_of(v.lanes) && cols.is_multiple_of(v.lanes),
         "{}: nr must be a multiple of the vector width",
         spec.name()
     );
-    let (mr, nr, lanes) = (spec.mr, spec.nr, v.lanes);
+    let (mr, nr, lanes) = (m_rows, spec.nr, v.lanes);
     let nv = cols / lanes;
     let name = format_ident!("{}", name);
-    let doc = doc(spec, cols);
+    let doc = if m_rows < spec.mr {
+        format!(
+            " {}x{nr} f32 GEMM edge microkernel: the first {m_rows} rows of {}-row A panels.\n\n{}",
+            m_rows,
+            spec.mr,
+            doc(spec, cols)
+                .split_once("\n\n")
+                .map_or("", |d| d.1)
+                .replace(&format!("m <= {}", spec.mr), &format!("m <= {m_rows}"))
+        )
+    } else {
+        doc(spec, cols)
+    };
+    let a_step = lit(spec.mr);
     let (attrs, uses) = (v.attrs(), v.uses());
     let (zero, load, store, splat, add, min, max) =
         (&v.zero, &v.load, &v.store, &v.splat, &v.add, &v.min, &v.max);
@@ -207,7 +249,7 @@ fn emit_simd(spec: &GemmSpec, v: &Simd, cols: usize, name: &str, rows: bool) -> 
                     let b = (*b_rows.add(k)).add(b_off);
                     #(#b_loads)*
                     #(#fmas)*
-                    a = a.add(#mr);
+                    a = a.add(#a_step);
                 }
             },
         )
@@ -219,7 +261,7 @@ fn emit_simd(spec: &GemmSpec, v: &Simd, cols: usize, name: &str, rows: bool) -> 
                 for _ in 0..kc {
                     #(#b_loads)*
                     #(#fmas)*
-                    a = a.add(#mr);
+                    a = a.add(#a_step);
                     b = b.add(#nr);
                 }
             },

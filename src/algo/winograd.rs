@@ -446,6 +446,14 @@ impl Winograd {
             max: f32::INFINITY,
         };
         let (nr, panels) = (self.gemm.nr, cout_pad / self.gemm.nr);
+        // The last block of tiles runs the half-height kernel when it holds no more.
+        let last = pp / mr - 1;
+        // Rows past the item's tiles are computed (from zeros) and stored like the others:
+        // M has room for them, and whole tiles take the kernels' fast store.
+        let (last_func, last_rows) = match self.gemm.short {
+            Some(f) if it.p1 - it.p0 - last * mr <= mr / 2 => (f, mr / 2),
+            _ => (self.gemm.func, mr),
+        };
         let per_xi = panels * cin_g * nr;
         let u = self.u.as_slice();
         for xi in 0..xis {
@@ -463,7 +471,12 @@ impl Winograd {
                         let c = mm[(xi * pp + q * mr) * cout_pad + j * nr..].as_mut_ptr();
                         // SAFETY: the A panel holds kc steps of mr floats, the B panel kc of
                         // nr; C is mr rows of nr floats cout_pad apart inside M.
-                        (self.gemm.func)(kc, a, b, c, cout_pad as isize, mr, nr, &ep);
+                        let (func, rows) = if q == last {
+                            (last_func, last_rows)
+                        } else {
+                            (self.gemm.func, mr)
+                        };
+                        func(kc, a, b, c, cout_pad as isize, rows, nr, &ep);
                     }
                 }
             }

@@ -39,6 +39,9 @@ pub struct GemmKernel {
     pub nr: usize,
     /// The same kernel over only the first `nr/2` columns, for a last micro-panel that narrow.
     pub half: Option<GemmKernelFn>,
+    /// The same kernel over only the first `mr/2` rows (A panels still `mr` wide), for a last
+    /// register block of rows that short.
+    pub short: Option<GemmKernelFn>,
     /// Variants that read B through row pointers (SIMD ISAs).
     pub rows: Option<GemmRowsFn>,
     pub half_rows: Option<GemmRowsFn>,
@@ -289,8 +292,9 @@ pub(crate) unsafe fn gemm<A: Panels, B: BlockB>(
                         let a_panel = ap.add(ip * a_stride);
                         match b_block {
                             BBlock::Panels { ptr, stride } => {
-                                let func = match kern.half {
-                                    Some(half) if narrow => half,
+                                let func = match (kern.half, kern.short) {
+                                    (Some(half), _) if narrow => half,
+                                    (_, Some(short)) if mm <= mr / 2 => short,
                                     _ => kern.func,
                                 };
                                 let b_panel = ptr.add(jp * stride);
