@@ -401,9 +401,11 @@ impl Winograd {
         let (tmp, rest) = rest.split_at_mut(xis * pp * lanes);
         let cols_in = plan.run * m + 2;
         let (rin, rout) = rest.split_at_mut(k.rows_in() * cols_in * lanes);
-        // Tiles past the item's last (up to `mr`) multiply zeros.
+        // Blocks of `mr` tiles (the item's last may hold fewer than the plan's chunk); tiles
+        // past the item's last, up to a whole block, multiply zeros.
+        let blocks = (it.p1 - it.p0).div_ceil(mr);
         for xi in 0..xis {
-            tmp[(xi * pp + (it.p1 - it.p0)) * lanes..(xi + 1) * pp * lanes].fill(0.0);
+            tmp[(xi * pp + (it.p1 - it.p0)) * lanes..(xi * pp + blocks * mr) * lanes].fill(0.0);
         }
         // 1. Input transforms, a block of `lanes` input channels at a time.
         for c0 in (0..cin_g).step_by(lanes) {
@@ -427,7 +429,7 @@ impl Winograd {
             }
             // tmp[xi][p][c] -> V[xi][p / mr][c0 + c][p % mr]: the GEMM's A panels.
             for xi in 0..xis {
-                for q in 0..pp / mr {
+                for q in 0..blocks {
                     let src = &tmp[(xi * pp + q * mr) * lanes..][..mr * lanes];
                     let dst = &mut v[((xi * (pp / mr) + q) * cin_g + c0) * mr..][..cb * mr];
                     self.to_panel(src, lanes, cb, mr, dst);
@@ -447,9 +449,9 @@ impl Winograd {
         };
         let (nr, panels) = (self.gemm.nr, cout_pad / self.gemm.nr);
         // The last block of tiles runs the half-height kernel when it holds no more.
-        let last = pp / mr - 1;
         // Rows past the item's tiles are computed (from zeros) and stored like the others:
         // M has room for them, and whole tiles take the kernels' fast store.
+        let last = blocks - 1;
         let (last_func, last_rows) = match self.gemm.short {
             Some(f) if it.p1 - it.p0 - last * mr <= mr / 2 => (f, mr / 2),
             _ => (self.gemm.func, mr),
@@ -466,7 +468,7 @@ impl Winograd {
                 };
                 for j in 0..panels {
                     let b = ub[(j * cin_g + k0) * nr..].as_ptr();
-                    for q in 0..pp / mr {
+                    for q in 0..blocks {
                         let a = v[((xi * (pp / mr) + q) * cin_g + k0) * mr..].as_ptr();
                         let c = mm[(xi * pp + q * mr) * cout_pad + j * nr..].as_mut_ptr();
                         // SAFETY: the A panel holds kc steps of mr floats, the B panel kc of
