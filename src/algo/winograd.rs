@@ -371,8 +371,9 @@ impl Winograd {
                 p0,
                 p1: (p0 + plan.chunk).min(tiles),
             };
-            // SAFETY: items write disjoint tiles of the output (distinct group or tiles), which `output` covers: its length was checked. The kernels' ISA was
-            // checked at create time.
+            // SAFETY: items write disjoint tiles of the output (distinct group or tiles),
+            // which `output` covers: its length was checked. The kernels' ISA was checked at
+            // create time.
             unsafe { self.run_item(plan, g, input, residual, out, activation, s, &job) };
         });
     }
