@@ -417,6 +417,8 @@ impl Winograd {
         // Blocks of `mr` tiles (the item's last may hold fewer than the plan's chunk); tiles
         // past the item's last, up to a whole block, multiply zeros.
         let blocks = (it.p1 - it.p0).div_ceil(mr);
+        // Blocks of tiles a position of V holds (hoisted: `mr` is not a power of two at AVX2).
+        let v_blocks = pp / mr;
         for xi in 0..xis {
             tmp[(xi * pp + (it.p1 - it.p0)) * lanes..(xi * pp + blocks * mr) * lanes].fill(0.0);
         }
@@ -444,7 +446,7 @@ impl Winograd {
             for xi in 0..xis {
                 for q in 0..blocks {
                     let src = &tmp[(xi * pp + q * mr) * lanes..][..mr * lanes];
-                    let dst = &mut v[((xi * (pp / mr) + q) * cin_g + c0) * mr..][..cb * mr];
+                    let dst = &mut v[((xi * v_blocks + q) * cin_g + c0) * mr..][..cb * mr];
                     self.to_panel(src, lanes, cb, mr, dst);
                 }
             }
@@ -482,7 +484,7 @@ impl Winograd {
                 for j in 0..panels {
                     let b = ub[(j * cin_g + k0) * nr..].as_ptr();
                     for q in 0..blocks {
-                        let a = v[((xi * (pp / mr) + q) * cin_g + k0) * mr..].as_ptr();
+                        let a = v[((xi * v_blocks + q) * cin_g + k0) * mr..].as_ptr();
                         let c = mm[(xi * pp + q * mr) * cout_pad + j * nr..].as_mut_ptr();
                         // SAFETY: the A panel holds kc steps of mr floats, the B panel kc of
                         // nr; C is mr rows of nr floats cout_pad apart inside M.
@@ -592,16 +594,40 @@ impl Winograd {
 
     /// `src` (`mr` tiles of `lanes` channels) into `dst` (`cb` channels of `mr` tiles).
     fn to_panel(&self, src: &[f32], lanes: usize, cb: usize, mr: usize, dst: &mut [f32]) {
-        let c8 = if mr == 8 { cb / 8 * 8 } else { 0 };
+        let c8 = match mr {
+            8 | 6 => cb / 8 * 8,
+            _ => 0,
+        };
         for c in (0..c8).step_by(8) {
-            // SAFETY: 8 rows of 8 floats, `lanes` apart in src (mr = 8 rows of `lanes`) and
-            // 8 apart in dst (channels c..c+8 of cb); the transpose's ISA is this CPU's.
-            unsafe { (self.transpose)(src[c..].as_ptr(), lanes, dst[c * 8..].as_mut_ptr(), 8) };
+            if mr == 8 {
+                // SAFETY: 8 rows of 8 floats, `lanes` apart in src (mr = 8 rows of `lanes`)
+                // and 8 apart in dst (channels c..c+8 of cb); the transpose's ISA is this
+                // CPU's.
+                unsafe { (self.transpose)(src[c..].as_ptr(), lanes, dst[c * 8..].as_mut_ptr(), 8) };
+            } else {
+                self.to_panel_6(&src[c..], lanes, &mut dst[c * 6..][..48]);
+            }
         }
         for c in c8..cb {
             for i in 0..mr {
                 dst[c * mr + i] = src[i * lanes + c];
             }
+        }
+    }
+
+    /// 6 tiles (rows `lanes` apart in `src`) x 8 channels into 8 channels of 6 tiles (AVX2's
+    /// 6-row GEMM panels), through 8x8 tiles.
+    fn to_panel_6(&self, src: &[f32], lanes: usize, dst: &mut [f32]) {
+        let (mut tiles, mut chans) = ([0.0f32; 64], [0.0f32; 64]);
+        for (i, row) in tiles.chunks_exact_mut(8).take(6).enumerate() {
+            let s: &[f32; 8] = src[i * lanes..][..8].try_into().expect("8 floats");
+            row.copy_from_slice(s);
+        }
+        // SAFETY: both tiles are 8 rows of 8 floats; the transpose's ISA is this CPU's.
+        unsafe { (self.transpose)(tiles.as_ptr(), 8, chans.as_mut_ptr(), 8) };
+        for (d, c) in dst.chunks_exact_mut(6).zip(chans.chunks_exact(8)) {
+            let c: &[f32; 6] = c[..6].try_into().expect("6 floats");
+            d.copy_from_slice(c);
         }
     }
 
