@@ -9,8 +9,8 @@
 //! an output pixel where direct convolution needs 9: 4 for F(2,3), 2.25 for F(4,3), 1.78 for
 //! F(6,3).
 //!
-//! Work is split into items of `chunk` tiles (in row-major tile order) of one image and group,
-//! sized so their transformed tiles stay in L2. Per item:
+//! Work is split into items of `chunk` tiles of one group (in row-major tile order, image after
+//! image), sized so their transformed tiles stay in L2. Per item:
 //! 1. for each block of `lanes` input channels, the input rows under the item's tiles are
 //!    copied into a small padded pixel scratch (NCHW: 8x8 transposes; padding and ragged
 //!    edges are zeros there, so the whole input is never copied), each tile transformed by the
@@ -252,7 +252,14 @@ impl Winograd {
         )?;
         // The filter transform in f64, rounded once: G g Gt (2-D) or G g (1-D).
         let taps = if kern.dims == 2 { 9 } else { 3 };
-        let mut ut = vec![0.0f64; xis * cout_g * cin_g];
+        let n = mul(&[xis, cout_g, cin_g], "Winograd weights")?;
+        let mut ut: Vec<f64> = Vec::new();
+        ut.try_reserve_exact(n)
+            .map_err(|_| crate::Error::OutOfMemory {
+                what: "Winograd weights",
+                bytes: n.saturating_mul(8),
+            })?;
+        ut.resize(n, 0.0);
         for g in 0..groups {
             for co in 0..cout_g {
                 for ci in 0..cin_g {
