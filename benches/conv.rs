@@ -1,6 +1,6 @@
 //! Criterion benches over the layer suite, one thread: a group per kernel family (depthwise,
-//! grouped, stem, dense), each layer at every ISA level this CPU has, with the algorithm
-//! convkit chooses. Filter with criterion's own argument:
+//! grouped, stem, winograd: dense 3x3 and 1x3 stride 1, dense: the rest), each layer at every
+//! ISA level this CPU has, with the algorithm convkit chooses for the layer's size. Filter with criterion's own argument:
 //! `cargo bench --bench conv -- depthwise/` or `-- resnet50_l2_3x3`.
 //! GFLOP/s = elements/s reported by criterion x 2 (one element = one multiply-add).
 
@@ -9,7 +9,7 @@ use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Through
 
 fn bench_suite(c: &mut Criterion) {
     let layers = suite::builtin().unwrap();
-    for family in ["depthwise", "grouped", "stem", "dense"] {
+    for family in ["depthwise", "grouped", "stem", "winograd", "dense"] {
         let mut group = c.benchmark_group(family);
         group.sample_size(20);
         for layer in layers.iter().filter(|l| l.family() == family) {
@@ -24,6 +24,7 @@ fn bench_suite(c: &mut Criterion) {
                 let opts = Options {
                     threads: 1,
                     isa: Some(isa),
+                    input_hint: Some([layer.h, layer.w]),
                     ..Options::default()
                 };
                 let plan = Conv2d::new(p, &weights, None, opts)

@@ -41,6 +41,9 @@ impl Layer {
             "grouped"
         } else if p.in_channels <= 4 {
             "stem"
+        } else if matches!(p.kernel, [3, 3] | [1, 3]) && p.stride == [1, 1] && p.dilation == [1, 1]
+        {
+            "winograd"
         } else {
             "dense"
         }
