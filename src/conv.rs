@@ -226,7 +226,7 @@ impl Conv2d {
 ///   channels, run the direct kernels where the generator made one for their shape: GEMM
 ///   reuses too little there (measured in `convkit bench`, see the README's table);
 /// - 3x3 and 1x3 stride-1 convolutions with at least 16 input channels a group run Winograd
-///   (unless `Precision::Exact`): 2-3x GEMM's speed on the suite's 3x3 layers;
+///   (unless `Precision::Exact`): 1.7-3.3x GEMM's speed on the suite's 3x3 layers;
 /// - everything else runs im2col + GEMM, which takes every shape.
 fn choose(params: &ConvParams, isa: Isa, precision: Precision) -> Algorithm {
     let grouped = params.groups > 1 && params.groups < params.in_channels;
@@ -277,19 +277,28 @@ const WINOGRAD_MIN_CHANNELS: usize = 16;
 /// rounds, GFLOP/s F(2,3) / F(4,3) / F(6,3)): 7x7 87 / 79 / 42; 14x14 176 / 294 / 132; 28x28
 /// 206 / 275 / 305; 56x56 189 / 258 / 284; 224x224 173 / 263 / 273.
 fn winograd_tile(params: &ConvParams, precision: Precision, hint: Option<[usize; 2]>) -> usize {
-    let one_d = params.kernel[0] == 1;
+    // Winograd forced at `Precision::Exact` runs the most accurate tile.
+    let max = precision.max_tile().max(2);
     let Some([h, w]) = hint else {
-        return precision.max_tile().min(4);
+        return max.min(4);
     };
+    // In f64: any hint, however large, is a cost, never an overflow.
+    let one_d = params.kernel[0] == 1;
     let cost = |m: usize| {
-        let tiles_y = if one_d { h.max(1) } else { h.div_ceil(m) };
-        let tiles = tiles_y * w.div_ceil(m);
-        let side = (m + 2) * if one_d { 1 } else { m + 2 };
-        (tiles.next_multiple_of(TILE_BLOCK) * side) as f64 * (1.0 - m as f64 / 20.0)
+        let mf = m as f64;
+        let tiles_y = if one_d {
+            h.max(1) as f64
+        } else {
+            (h as f64 / mf).ceil()
+        };
+        let tiles = tiles_y * (w as f64 / mf).ceil();
+        let blocks = (tiles / TILE_BLOCK as f64).ceil() * TILE_BLOCK as f64;
+        let side = (mf + 2.0) * if one_d { 1.0 } else { mf + 2.0 };
+        blocks * side * (1.0 - mf / 20.0)
     };
     [2, 4, 6]
         .into_iter()
-        .filter(|&m| m <= precision.max_tile())
+        .filter(|&m| m <= max)
         .min_by(|&a, &b| cost(a).total_cmp(&cost(b)))
         .unwrap_or(2)
 }

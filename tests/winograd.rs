@@ -132,6 +132,34 @@ fn the_tile_follows_the_image_size() {
 }
 
 #[test]
+fn any_hint_plans_and_forced_winograd_at_exact_runs_the_most_accurate_tile() {
+    let p = ConvParams::conv2d(32, 32, [3, 3]).with_padding(Padding::Same);
+    let w = vec![0.1; p.weights_len().unwrap()];
+    for (hint, precision, tile) in [
+        (Some([usize::MAX, usize::MAX]), Precision::Balanced, "f6"),
+        (Some([0, 0]), Precision::Balanced, "f2"),
+        (None, Precision::Exact, "f2"),
+        (Some([56, 56]), Precision::Exact, "f2"),
+    ] {
+        let opts = Options {
+            algorithm: Some(Algorithm::Winograd),
+            precision,
+            input_hint: hint,
+            ..Options::default()
+        };
+        let name = Conv2d::new(p, &w, None, opts)
+            .unwrap()
+            .plan(1, 9, 9)
+            .unwrap()
+            .kernel_name();
+        assert!(
+            name.contains(&format!("wino_f32_{tile}_")),
+            "{hint:?} {precision:?}: {name}"
+        );
+    }
+}
+
+#[test]
 fn conv1d_with_three_taps_runs_one_dimensional_winograd() {
     // Whisper's front end: 80 mel channels -> 384, 3 taps, padding 1.
     let (cin, cout, len) = (80, 384, 300);

@@ -115,23 +115,28 @@ fn emit_kernel(spec: &GemmSpec) -> TokenStream {
     }
 }
 
-fn doc(spec: &GemmSpec, cols: usize) -> String {
-    let what = if cols == spec.nr {
-        format!("{}x{} f32 GEMM microkernel", spec.mr, spec.nr)
-    } else {
+/// The rustdoc of a kernel computing `rows` of the `mr` rows and `cols` of the `nr` columns.
+fn doc(spec: &GemmSpec, rows: usize, cols: usize) -> String {
+    let what = if rows < spec.mr {
+        format!(
+            "{rows}x{} f32 GEMM edge microkernel: the first {rows} rows of {}-row A panels",
+            spec.nr, spec.mr
+        )
+    } else if cols < spec.nr {
         format!(
             "{}x{} f32 GEMM edge microkernel: the first {cols} columns of {}-wide B panels",
             spec.mr, cols, spec.nr
         )
+    } else {
+        format!("{}x{} f32 GEMM microkernel", spec.mr, spec.nr)
     };
     format!(
         " {what} ({}): C[m x n] = A-panel · B-panel over `kc` steps, then the epilogue.\n\n \
          # Safety\n The CPU must have the ISA; `a` holds `kc*{}` and `b` `kc*{}` readable floats; `c` (and the \
-         epilogue's bias and residual) are valid for `m <= {}` rows of stride `rs_c` and `n <= {cols}` columns.",
+         epilogue's bias and residual) are valid for `m <= {rows}` rows of stride `rs_c` and `n <= {cols}` columns.",
         spec.isa.suffix(),
         spec.mr,
         spec.nr,
-        spec.mr,
     )
 }
 
@@ -158,19 +163,7 @@ fn emit_simd(
     let (mr, nr, lanes) = (m_rows, spec.nr, v.lanes);
     let nv = cols / lanes;
     let name = format_ident!("{}", name);
-    let doc = if m_rows < spec.mr {
-        format!(
-            " {}x{nr} f32 GEMM edge microkernel: the first {m_rows} rows of {}-row A panels.\n\n{}",
-            m_rows,
-            spec.mr,
-            doc(spec, cols)
-                .split_once("\n\n")
-                .map_or("", |d| d.1)
-                .replace(&format!("m <= {}", spec.mr), &format!("m <= {m_rows}"))
-        )
-    } else {
-        doc(spec, cols)
-    };
+    let doc = doc(spec, m_rows, cols);
     let a_step = lit(spec.mr);
     let (attrs, uses) = (v.attrs(), v.uses());
     let (zero, load, store, splat, add, min, max) =
@@ -315,7 +308,7 @@ fn emit_simd(
 
 fn emit_scalar(spec: &GemmSpec) -> TokenStream {
     let name = format_ident!("{}", spec.name());
-    let doc = doc(spec, spec.nr);
+    let doc = doc(spec, spec.mr, spec.nr);
     let tile_len = lit(spec.mr * spec.nr);
     let (mr, nr) = (lit(spec.mr), lit(spec.nr));
     quote! {

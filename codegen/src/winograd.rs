@@ -23,7 +23,7 @@
 use crate::simd::{simd, Simd};
 use crate::{lit, registry_entry_with, Isa, WinoSpec};
 use num_rational::Ratio;
-use proc_macro2::{Literal, TokenStream};
+use proc_macro2::{Ident, Literal, TokenStream};
 use quote::{format_ident, quote};
 
 /// Exact rationals.
@@ -180,7 +180,7 @@ fn apply_rows(
     v: &Simd,
     mat: &[Vec<Q>],
     inputs: &[TokenStream],
-    out: &[proc_macro2::Ident],
+    out: &[Ident],
     tmp: &str,
 ) -> TokenStream {
     let (add, sub) = (&v.add, &v.sub);
@@ -232,7 +232,7 @@ fn apply_cols(
     v: &Simd,
     mat: &[Vec<Q>],
     inputs: &[TokenStream],
-    out: &[proc_macro2::Ident],
+    out: &[Ident],
     tmp: &str,
 ) -> TokenStream {
     let (add, sub) = (&v.add, &v.sub);
@@ -287,6 +287,57 @@ fn apply_cols(
     code
 }
 
+/// A 1-D transform's emitter ([`apply_rows`] or [`apply_cols`]).
+type Apply = fn(&Simd, &[Vec<Q>], &[TokenStream], &[Ident], &str) -> TokenStream;
+
+/// `mat` applied to `grid` (rows of vectors) along both axes when `dims` is 2 — down each
+/// column first (results named `mid`), then along each row (named `out`) — or along its one
+/// row when `dims` is 1. Returns the code and the result's rows.
+fn nested(
+    v: &Simd,
+    mat: &[Vec<Q>],
+    grid: Vec<Vec<Ident>>,
+    dims: usize,
+    apply: Apply,
+    mid: &str,
+    out: &str,
+) -> (TokenStream, Vec<Vec<Ident>>) {
+    let names = |p: &str, a: usize, n: usize| -> Vec<Ident> {
+        (0..n).map(|b| format_ident!("{p}{a}_{b}")).collect()
+    };
+    let ts = |row: &[Ident]| -> Vec<TokenStream> { row.iter().map(|i| quote!(#i)).collect() };
+    let mut code = TokenStream::new();
+    let rows = if dims == 2 {
+        let cols = grid[0].len();
+        for j in 0..cols {
+            let col: Vec<TokenStream> = grid
+                .iter()
+                .map(|r| {
+                    let x = &r[j];
+                    quote!(#x)
+                })
+                .collect();
+            let outs: Vec<Ident> = (0..mat.len())
+                .map(|k| format_ident!("{mid}{k}_{j}"))
+                .collect();
+            code.extend(apply(v, mat, &col, &outs, &format!("{mid}x{j}_")));
+        }
+        (0..mat.len()).map(|k| names(mid, k, cols)).collect()
+    } else {
+        grid
+    };
+    let results = rows
+        .iter()
+        .enumerate()
+        .map(|(k, row)| {
+            let outs = names(out, k, mat.len());
+            code.extend(apply(v, mat, &ts(row), &outs, &format!("{out}x{k}_")));
+            outs
+        })
+        .collect();
+    (code, results)
+}
+
 /// Kernel name of one tile size, 2-D or 1-D, for one ISA.
 pub fn name(spec: &WinoSpec, dims: usize, isa: Isa) -> String {
     format!("wino_f32_f{}_{}d_{}", spec.m, dims, isa.suffix())
@@ -294,7 +345,7 @@ pub fn name(spec: &WinoSpec, dims: usize, isa: Isa) -> String {
 
 /// The functions of the input and output transforms, named like the kernel with `in`/`out`
 /// before the ISA.
-fn fn_names(spec: &WinoSpec, dims: usize, isa: Isa) -> (proc_macro2::Ident, proc_macro2::Ident) {
+fn fn_names(spec: &WinoSpec, dims: usize, isa: Isa) -> (Ident, Ident) {
     let f = |dir: &str| format_ident!("wino_f32_f{}_{dims}d_{dir}_{}", spec.m, isa.suffix());
     (f("in"), f("out"))
 }
@@ -309,9 +360,7 @@ fn emit_kernels(v: &Simd, spec: &WinoSpec, mats: &Matrices, dims: usize) -> Toke
     let uses = v.uses();
     let id = |p: &str, a: usize, b: usize| format_ident!("{p}{a}_{b}");
     let ids = |p: &str, a: usize, n: usize| (0..n).map(|b| id(p, a, b)).collect::<Vec<_>>();
-    let as_ts = |v: &[proc_macro2::Ident]| v.iter().map(|i| quote!(#i)).collect::<Vec<_>>();
     let rows_in = if dims == 2 { t } else { 1 };
-    let rows_out = if dims == 2 { m } else { 1 };
 
     // Input: d (rows_in x t pixels) -> V = Bt d Bt^T (2-D) or Bt d (1-D), t^dims vectors.
     let mut body_in = TokenStream::new();
@@ -321,32 +370,11 @@ fn emit_kernels(v: &Simd, spec: &WinoSpec, mats: &Matrices, dims: usize) -> Toke
             body_in.extend(quote!(let #d = #load(src.add(#il * row + #jl * #lanes));));
         }
     }
-    // Rows of the result before the transform along x: the columns' transform (2-D).
-    let pre: Vec<Vec<proc_macro2::Ident>> = if dims == 2 {
-        for j in 0..t {
-            let col: Vec<TokenStream> = (0..t)
-                .map(|i| {
-                    let d = id("d", i, j);
-                    quote!(#d)
-                })
-                .collect();
-            let outs: Vec<_> = (0..t).map(|k| id("c", k, j)).collect();
-            body_in.extend(apply_rows(v, &mats.bt, &col, &outs, &format!("x{j}_")));
-        }
-        (0..t).map(|k| ids("c", k, t)).collect()
-    } else {
-        vec![ids("d", 0, t)]
-    };
-    for (k, row) in pre.iter().enumerate() {
-        let outs = ids("v", k, t);
-        body_in.extend(apply_rows(
-            v,
-            &mats.bt,
-            &as_ts(row),
-            &outs,
-            &format!("y{k}_"),
-        ));
-        for (l, o) in outs.iter().enumerate() {
+    let grid: Vec<Vec<Ident>> = (0..rows_in).map(|i| ids("d", i, t)).collect();
+    let (code, v_out) = nested(v, &mats.bt, grid, dims, apply_rows, "c", "v");
+    body_in.extend(code);
+    for (k, row) in v_out.iter().enumerate() {
+        for (l, o) in row.iter().enumerate() {
             let at = lit(k * t + l);
             body_in.extend(quote!(#store(dst.add(#at * xi), #o);));
         }
@@ -354,44 +382,22 @@ fn emit_kernels(v: &Simd, spec: &WinoSpec, mats: &Matrices, dims: usize) -> Toke
 
     // Output: M (t^dims vectors) -> Y = At M At^T (+ bias), rows_out x m pixels.
     let mut body_out = quote!(let b = #load(bias););
-    let inner = if dims == 2 { t } else { 1 };
-    for k in 0..inner {
+    for k in 0..rows_in {
         for l in 0..t {
             let (x, at) = (id("m", k, l), lit(k * t + l));
             body_out.extend(quote!(let #x = #load(src.add(#at * xi));));
         }
     }
-    let pre: Vec<Vec<proc_macro2::Ident>> = if dims == 2 {
-        for l in 0..t {
-            let col: Vec<TokenStream> = (0..t)
-                .map(|k| {
-                    let x = id("m", k, l);
-                    quote!(#x)
-                })
-                .collect();
-            let outs: Vec<_> = (0..m).map(|a| id("s", a, l)).collect();
-            body_out.extend(apply_cols(v, &mats.at, &col, &outs, &format!("x{l}_")));
-        }
-        (0..m).map(|a| ids("s", a, t)).collect()
-    } else {
-        vec![ids("m", 0, t)]
-    };
+    let grid: Vec<Vec<Ident>> = (0..rows_in).map(|k| ids("m", k, t)).collect();
+    let (code, y_out) = nested(v, &mats.at, grid, dims, apply_cols, "s", "y");
+    body_out.extend(code);
     let add = &v.add;
-    for (a, row) in pre.iter().enumerate() {
-        let outs = ids("y", a, m);
-        body_out.extend(apply_cols(
-            v,
-            &mats.at,
-            &as_ts(row),
-            &outs,
-            &format!("z{a}_"),
-        ));
-        for (b, o) in outs.iter().enumerate() {
+    for (a, row) in y_out.iter().enumerate() {
+        for (b, o) in row.iter().enumerate() {
             let (al, bl) = (lit(a), lit(b));
             body_out.extend(quote!(#store(dst.add(#al * row + #bl * #lanes), #add(#o, b));));
         }
     }
-    let _ = rows_out;
     let shape = if dims == 2 {
         format!("{t}x{t} pixels")
     } else {
