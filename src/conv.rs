@@ -108,6 +108,15 @@ impl Conv2d {
             (None, None) => Isa::default_level()?,
         };
         let algorithm = match (forced.map(|k| k.family), options.algorithm) {
+            (Some(Family::QGemm), _) => {
+                return Err(Error::InvalidParameter {
+                    what: "kernel",
+                    detail: format!(
+                        "{} is an int8 kernel: it runs quantized convolutions (QConv2d)",
+                        options.kernel.unwrap_or_default()
+                    ),
+                })
+            }
             (Some(Family::Gemm), None | Some(Algorithm::Im2colGemm)) => Algorithm::Im2colGemm,
             (Some(Family::Depthwise), None | Some(Algorithm::Depthwise)) => Algorithm::Depthwise,
             (Some(Family::Direct), None | Some(Algorithm::Direct)) => Algorithm::Direct,
@@ -306,6 +315,29 @@ fn winograd_tile(params: &ConvParams, precision: Precision, hint: Option<[usize;
 /// Tiles the Winograd GEMMs take at a time (the AVX-512 and NEON kernels' rows).
 const TILE_BLOCK: usize = 8;
 
+/// `Ok` if `params` describes a 1-D convolution: kernel, stride and dilation height 1, no
+/// vertical padding.
+pub(crate) fn check_1d(params: &ConvParams) -> Result<()> {
+    let vertical_pad = match params.padding {
+        crate::Padding::Explicit { top, bottom, .. } => top + bottom,
+        _ => 0,
+    };
+    if params.kernel[0] != 1
+        || params.stride[0] != 1
+        || params.dilation[0] != 1
+        || vertical_pad != 0
+    {
+        return Err(Error::InvalidParameter {
+                what: "1-D convolution",
+                detail: format!(
+                    "kernel, stride and dilation height must be 1 and vertical padding 0; got kernel {:?}, stride {:?}, dilation {:?}, padding {:?}",
+                    params.kernel, params.stride, params.dilation, params.padding
+                ),
+            });
+    }
+    Ok(())
+}
+
 /// A 1-D convolution: a thin front over [`Conv2d`] with height 1. Weights are
 /// `out x in/groups x kernel`; tensors are NCW (or NWC with `Layout::Nhwc`).
 #[derive(Clone)]
@@ -322,23 +354,7 @@ impl Conv1d {
         bias: Option<&[f32]>,
         options: Options,
     ) -> Result<Self> {
-        let vertical_pad = match params.padding {
-            crate::Padding::Explicit { top, bottom, .. } => top + bottom,
-            _ => 0,
-        };
-        if params.kernel[0] != 1
-            || params.stride[0] != 1
-            || params.dilation[0] != 1
-            || vertical_pad != 0
-        {
-            return Err(Error::InvalidParameter {
-                what: "1-D convolution",
-                detail: format!(
-                    "kernel, stride and dilation height must be 1 and vertical padding 0; got kernel {:?}, stride {:?}, dilation {:?}, padding {:?}",
-                    params.kernel, params.stride, params.dilation, params.padding
-                ),
-            });
-        }
+        check_1d(&params)?;
         Ok(Conv1d {
             conv: Conv2d::new(params, weights, bias, options)?,
         })

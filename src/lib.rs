@@ -37,6 +37,7 @@ mod error;
 pub mod gemm;
 mod params;
 mod plan;
+mod quant;
 pub mod reference;
 pub mod suite;
 
@@ -53,6 +54,7 @@ pub use epilogue::Activation;
 pub use error::{Error, Result};
 pub use params::{ConvParams, Geometry, Layout, Padding};
 pub use plan::Plan;
+pub use quant::{QConv1d, QConv2d, QElement, QPlan, QuantOutput, QuantParams, QuantType};
 
 /// The README's examples, compiled and run as doctests so that they stay true.
 #[doc = include_str!("../README.md")]

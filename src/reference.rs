@@ -184,3 +184,95 @@ impl Reference {
         c
     }
 }
+
+/// The exact integer sums of a quantized convolution, `Σ (x - zero_point)·w + bias` per
+/// output (i64, in the convolution's layout), straight from the definition.
+#[allow(clippy::too_many_arguments)]
+pub fn qconv_sums<T: Copy + Into<i64>>(
+    params: &ConvParams,
+    batch: usize,
+    in_h: usize,
+    in_w: usize,
+    input: &[T],
+    zero_point: i32,
+    weights: &[i8],
+    bias: Option<&[i32]>,
+) -> Result<Vec<i64>> {
+    let g: Geometry = params.geometry(batch, in_h, in_w)?;
+    for (what, expected, got) in [
+        ("input", g.input_len(), Some(input.len())),
+        ("weights", params.weights_len()?, Some(weights.len())),
+        ("bias", g.c_out, bias.map(|b| b.len())),
+    ] {
+        if let Some(got) = got {
+            if got != expected {
+                return Err(Error::WrongLength {
+                    what,
+                    expected,
+                    got,
+                });
+            }
+        }
+    }
+    let (cin_g, cout_g) = (g.cin_g(), g.cout_g());
+    let mut out = vec![0i64; g.output_len()];
+    for n in 0..g.batch {
+        for co in 0..g.c_out {
+            let grp = co / cout_g;
+            for oy in 0..g.oh {
+                for ox in 0..g.ow {
+                    let mut acc = bias.map_or(0, |b| b[co] as i64);
+                    for ci in 0..cin_g {
+                        let c = grp * cin_g + ci;
+                        for ky in 0..g.kh {
+                            let iy = (oy * g.sh + ky * g.dh) as isize - g.pad_top as isize;
+                            for kx in 0..g.kw {
+                                let ix = (ox * g.sw + kx * g.dw) as isize - g.pad_left as isize;
+                                if iy < 0 || ix < 0 || iy >= g.h as isize || ix >= g.w as isize {
+                                    continue;
+                                }
+                                let xi = at(
+                                    g.layout,
+                                    (g.c_in, g.h, g.w),
+                                    n,
+                                    c,
+                                    iy as usize,
+                                    ix as usize,
+                                );
+                                let w = weights[((co * cin_g + ci) * g.kh + ky) * g.kw + kx];
+                                acc += (input[xi].into() - zero_point as i64) * w as i64;
+                            }
+                        }
+                    }
+                    out[at(g.layout, (g.c_out, g.oh, g.ow), n, co, oy, ox)] = acc;
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Requantises an exact sum as convkit specifies it (see [`QConv2d`](crate::QConv2d)): the
+/// sum times the f32 multiplier `mult`, in f32, rounded half to even, plus the zero point,
+/// clamped to `qlo..=qhi`.
+pub fn requantize(sum: i64, mult: f32, zero_point: i32, qlo: i32, qhi: i32) -> i32 {
+    let r = (sum as f32 * mult).round_ties_even() as i64 + zero_point as i64;
+    r.clamp(qlo as i64, qhi as i64) as i32
+}
+
+/// Requantises an exact sum in f64 (`sum · x_scale · w_scale / y_scale`, one rounding of
+/// each product): what [`requantize`] may differ from by 1, and only where the value lies
+/// within f32 rounding of a half.
+pub fn requantize_f64(
+    sum: i64,
+    x_scale: f32,
+    w_scale: f32,
+    y_scale: f32,
+    zero_point: i32,
+    qlo: i32,
+    qhi: i32,
+) -> i32 {
+    let m = x_scale as f64 * w_scale as f64 / y_scale as f64;
+    let r = (sum as f64 * m).round_ties_even() as i64 + zero_point as i64;
+    r.clamp(qlo as i64, qhi as i64) as i32
+}

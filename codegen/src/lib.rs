@@ -13,8 +13,11 @@ mod depthwise;
 mod direct;
 mod gemm;
 mod layout;
+mod qgemm;
 mod simd;
 mod winograd;
+
+pub use qgemm::{QGemmSpec, QMul, QGEMM};
 
 /// An instruction-set level a kernel is generated for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -270,6 +273,10 @@ pub fn generate() -> Vec<Generated> {
         Generated {
             file: "wino_f32.rs",
             source: format_file(winograd::emit_all(WINO_TILES)),
+        },
+        Generated {
+            file: "qgemm_i8.rs",
+            source: format_file(qgemm::emit_all(QGEMM)),
         },
         Generated {
             file: "layout.rs",

@@ -4,6 +4,7 @@
 pub mod depthwise;
 pub mod direct;
 pub(crate) mod im2col_gemm;
+pub mod qgemm;
 pub mod winograd;
 
 use rayon::prelude::*;

@@ -51,6 +51,71 @@ pub(crate) fn transpose_8x8(isa: Isa) -> generated_layout::Transpose8x8 {
         .unwrap_or(generated_layout::transpose_8x8_scalar)
 }
 
+/// The generated int8 GEMM microkernels.
+#[allow(clippy::all)]
+pub(crate) mod generated_q {
+    include!(concat!(env!("OUT_DIR"), "/qgemm_i8.rs"));
+}
+
+/// True if this CPU has AVX-512 VNNI (the int8 dot products of the `avx512vnni` kernels).
+pub fn has_vnni() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static VNNI: OnceLock<bool> = OnceLock::new();
+        *VNNI.get_or_init(|| {
+            Isa::available().contains(&Isa::Avx512)
+                && std::arch::is_x86_feature_detected!("avx512vnni")
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// True if this CPU can run `k`: its ISA, and VNNI where it needs it.
+fn runs(k: &crate::algo::qgemm::QGemmKernel) -> bool {
+    Isa::available().contains(&k.isa) && (!k.vnni || has_vnni())
+}
+
+/// The best int8 GEMM microkernel at `isa`: VNNI where the CPU has it, else the ISA's own.
+pub(crate) fn qgemm(isa: Isa) -> &'static crate::algo::qgemm::QGemmKernel {
+    let all = generated_q::QGEMM_KERNELS;
+    all.iter()
+        .filter(|k| k.isa == isa && runs(k))
+        .max_by_key(|k| k.vnni)
+        .or_else(|| all.iter().find(|k| k.isa == Isa::Scalar))
+        .expect("the scalar int8 GEMM kernel is always generated")
+}
+
+/// The int8 GEMM microkernel named `name`, if this CPU can run it.
+pub(crate) fn qgemm_by_name(name: &str) -> Result<&'static crate::algo::qgemm::QGemmKernel> {
+    let k = generated_q::QGEMM_KERNELS
+        .iter()
+        .find(|k| k.name == name.trim())
+        .ok_or_else(|| Error::InvalidParameter {
+            what: "int8 kernel name",
+            detail: format!(
+                "{name:?} is not an int8 kernel of this build (`convkit info` lists them)"
+            ),
+        })?;
+    if runs(k) {
+        Ok(k)
+    } else {
+        Err(Error::IsaUnavailable {
+            requested: k.name.into(),
+            available: Isa::available()
+                .iter()
+                .map(|i| i.name())
+                .collect::<Vec<_>>()
+                .join(", ")
+                + if has_vnni() {
+                    " (with VNNI)"
+                } else {
+                    " (without VNNI)"
+                },
+        })
+    }
+}
+
 /// The generated depthwise kernels, one module per ISA.
 #[allow(clippy::all)]
 pub(crate) mod generated_dw {
@@ -215,6 +280,15 @@ pub enum Family {
     Direct,
     /// Winograd input and output transforms (the products run on the GEMM microkernels).
     Winograd,
+    /// int8 GEMM microkernels (quantized convolutions, [`QConv2d`](crate::QConv2d)).
+    QGemm,
+}
+
+impl Family {
+    /// True for the int8 kernels, which run quantized convolutions, not f32 ones.
+    pub fn is_int8(self) -> bool {
+        matches!(self, Family::QGemm)
+    }
 }
 
 /// One generated kernel, as the registry describes it: what tests and benchmarks iterate.
@@ -266,7 +340,15 @@ pub fn registry() -> Vec<KernelInfo> {
         fixed: Some((3, 1)),
         conv1d: k.dims == 1,
     });
-    gemm.chain(dw).chain(direct).chain(wino).collect()
+    let q = generated_q::QGEMM_KERNELS.iter().map(|k| KernelInfo {
+        name: k.name,
+        isa: k.isa,
+        family: Family::QGemm,
+        layout: None,
+        fixed: None,
+        conv1d: false,
+    });
+    gemm.chain(dw).chain(direct).chain(wino).chain(q).collect()
 }
 
 /// The registry entry named `name`, or `Error::InvalidParameter` listing what there is.
