@@ -21,13 +21,75 @@ enum Outcome {
     Error(String),
 }
 
-struct Measured {
-    kernel: String,
-    median_s: f64,
-    gflops: f64,
-    workspace: usize,
-    max_abs: f64,
-    passed: bool,
+pub struct Measured {
+    pub kernel: String,
+    pub median_s: f64,
+    /// GFLOP/s (f32) or GOP/s (int8).
+    pub gflops: f64,
+    pub workspace: usize,
+    /// f32: the largest absolute error; int8: the largest difference in output units.
+    pub max_abs: f64,
+    pub passed: bool,
+}
+
+/// The element type `bench`, `check` and `run` work in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Dtype {
+    F32,
+    /// Quantized, u8 activations (zero point 128) and outputs.
+    U8,
+    /// Quantized, i8 activations (zero point 0) and outputs.
+    I8,
+}
+
+impl Dtype {
+    pub fn name(self) -> &'static str {
+        match self {
+            Dtype::F32 => "f32",
+            Dtype::U8 => "u8",
+            Dtype::I8 => "i8",
+        }
+    }
+}
+
+impl std::str::FromStr for Dtype {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "f32" => Ok(Dtype::F32),
+            "u8" => Ok(Dtype::U8),
+            "i8" | "int8" => Ok(Dtype::I8),
+            _ => Err("not one of f32, u8, i8".into()),
+        }
+    }
+}
+
+/// What the table's columns count.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Unit {
+    F32,
+    Int8,
+}
+
+/// Runs `call` for `reps` repetitions of at least `MIN_REP` each, after `WARMUP` calls;
+/// returns the median seconds a call.
+pub fn time_median(
+    reps: usize,
+    mut call: impl FnMut() -> convkit::Result<()>,
+) -> convkit::Result<f64> {
+    for _ in 0..WARMUP {
+        call()?;
+    }
+    let mut per_call = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        let (start, mut calls) = (Instant::now(), 0u32);
+        while start.elapsed() < MIN_REP {
+            call()?;
+            calls += 1;
+        }
+        per_call.push(start.elapsed().as_secs_f64() / calls as f64);
+    }
+    Ok(median(&mut per_call))
 }
 
 pub fn main(args: &[String]) -> CliResult<bool> {
@@ -44,6 +106,7 @@ pub fn main(args: &[String]) -> CliResult<bool> {
             "only",
             "layout",
             "peak",
+            "dtype",
         ],
         &["csv"],
     )?;
@@ -65,11 +128,21 @@ pub fn main(args: &[String]) -> CliResult<bool> {
             "--peak must be a positive number of GFLOP/s".into(),
         ));
     }
+    let dtype: Dtype = flags.parsed("dtype")?.unwrap_or(Dtype::F32);
     let (threads, workers) = setup_threads(flags.parsed("threads")?)?;
     let kernel = match flags.get("kernel") {
         Some(name) => Some(convkit::cpu::find_kernel(name)?),
         None => None,
     };
+    if let Some(k) = kernel {
+        if k.family.is_int8() != (dtype != Dtype::F32) {
+            return Err(CliError::Usage(format!(
+                "--kernel {} does not run --dtype {}",
+                k.name,
+                dtype.name()
+            )));
+        }
+    }
     // A forced kernel brings its own ISA; an `--isa` that says otherwise is an error.
     let requested: Option<convkit::Isa> = flags.parsed("isa")?;
     let isa = match kernel {
@@ -109,13 +182,29 @@ pub fn main(args: &[String]) -> CliResult<bool> {
     note(format!(
         "isa {isa}, {workers} thread(s); peak {per_core:.1} GFLOP/s per core ({how}) x {workers} = {peak:.1} GFLOP/s"
     ));
+    // int8: the peak of the kernel's multiply-adds, a multiple of the f32 FMA peak.
+    let (peak, unit) = match dtype {
+        Dtype::F32 => (peak, Unit::F32),
+        _ => {
+            let (factor, why) = crate::qcli::peak_factor(isa, kernel.map(|k| k.name));
+            note(format!(
+                "int8 peak: {factor} x the f32 peak ({why}) = {:.1} GOP/s",
+                factor * peak
+            ));
+            (factor * peak, Unit::Int8)
+        }
+    };
 
     let mut rows = Vec::new();
     for (i, layer) in layers.iter().enumerate() {
         eprintln!("[{}/{}] {} ...", i + 1, layers.len(), layer.name);
         // Timed from inside the pool, as an engine that embeds convkit runs it: the calling
         // thread is one of the workers instead of waking all of them on every run.
-        let outcome = match rayon::scope(|_| bench_layer(layer, options, reps)) {
+        let run = || match dtype {
+            Dtype::F32 => bench_layer(layer, options, reps),
+            q => crate::qcli::bench_layer(layer, options, reps, q),
+        };
+        let outcome = match rayon::scope(|_| run()) {
             Ok(m) => Outcome::Ran(m),
             Err(e @ Error::AlgorithmUnsupported { .. }) => Outcome::Skipped(e.to_string()),
             Err(e) => Outcome::Error(e.to_string()),
@@ -124,15 +213,15 @@ pub fn main(args: &[String]) -> CliResult<bool> {
             Outcome::Skipped(why) => eprintln!("  skipped: {why}"),
             Outcome::Error(why) => eprintln!("  error: {why}"),
             Outcome::Ran(m) if !m.passed => {
-                eprintln!("  MISMATCH: max abs error {:.3e}", m.max_abs)
+                eprintln!("  MISMATCH: max error {:.3e}", m.max_abs)
             }
             Outcome::Ran(_) => {}
         }
         rows.push((layer, outcome));
     }
 
-    print_table(&rows, peak, csv);
-    summary(&layers, &rows, note);
+    print_table(&rows, peak, csv, unit);
+    summary(&layers, &rows, note, unit);
     Ok(rows.iter().all(|(_, o)| {
         matches!(
             o,
@@ -157,19 +246,7 @@ fn bench_layer(layer: &Layer, options: Options, reps: usize) -> convkit::Result<
     plan.run(&p.input, &mut output, &mut ws)?;
     let cmp = p.reference()?.compare_scaled(&output, plan.error_factor());
 
-    for _ in 0..WARMUP {
-        plan.run(&p.input, &mut output, &mut ws)?;
-    }
-    let mut per_call = Vec::with_capacity(reps);
-    for _ in 0..reps {
-        let (start, mut calls) = (Instant::now(), 0u32);
-        while start.elapsed() < MIN_REP {
-            plan.run(&p.input, &mut output, &mut ws)?;
-            calls += 1;
-        }
-        per_call.push(start.elapsed().as_secs_f64() / calls as f64);
-    }
-    let median_s = median(&mut per_call);
+    let median_s = time_median(reps, || plan.run(&p.input, &mut output, &mut ws))?;
     Ok(Measured {
         kernel: plan.kernel_name(),
         median_s,
@@ -190,15 +267,19 @@ fn median(xs: &mut [f64]) -> f64 {
     }
 }
 
-fn print_table(rows: &[(&Layer, Outcome)], peak: f64, csv: bool) {
+fn print_table(rows: &[(&Layer, Outcome)], peak: f64, csv: bool, unit: Unit) {
+    let (rate, err) = match unit {
+        Unit::F32 => ("GFLOP/s", "max_abs_err"),
+        Unit::Int8 => ("GOP/s", "max_diff"),
+    };
     let header = [
         "layer",
         "kernel",
         "median_ms",
-        "GFLOP/s",
+        rate,
         "%peak",
         "workspace_B",
-        "max_abs_err",
+        err,
         "ok",
     ];
     let cells: Vec<[String; 8]> = rows
@@ -213,7 +294,10 @@ fn print_table(rows: &[(&Layer, Outcome)], peak: f64, csv: bool) {
                     format!("{:.2}", m.gflops),
                     format!("{:.1}", 100.0 * m.gflops / peak),
                     m.workspace.to_string(),
-                    format!("{:.2e}", m.max_abs),
+                    match unit {
+                        Unit::F32 => format!("{:.2e}", m.max_abs),
+                        Unit::Int8 => format!("{}", m.max_abs),
+                    },
                     if m.passed { "ok" } else { "FAIL" }.to_string(),
                 ],
                 Outcome::Skipped(_) | Outcome::Error(_) => {
@@ -230,7 +314,11 @@ fn print_table(rows: &[(&Layer, Outcome)], peak: f64, csv: bool) {
         })
         .collect();
     if csv {
-        println!("layer,kernel,median_ms,gflops,pct_peak,workspace_bytes,max_abs_err,ok");
+        let (rate, err) = match unit {
+            Unit::F32 => ("gflops", "max_abs_err"),
+            Unit::Int8 => ("gops", "max_diff"),
+        };
+        println!("layer,kernel,median_ms,{rate},pct_peak,workspace_bytes,{err},ok");
         for row in &cells {
             println!("{}", row.join(","));
         }
@@ -264,7 +352,7 @@ fn print_table(rows: &[(&Layer, Outcome)], peak: f64, csv: bool) {
     }
 }
 
-fn summary(layers: &[Layer], rows: &[(&Layer, Outcome)], note: impl Fn(String)) {
+fn summary(layers: &[Layer], rows: &[(&Layer, Outcome)], note: impl Fn(String), unit: Unit) {
     let ran: Vec<(&Layer, &Measured)> = rows
         .iter()
         .filter_map(|(l, o)| match o {
@@ -275,7 +363,11 @@ fn summary(layers: &[Layer], rows: &[(&Layer, Outcome)], note: impl Fn(String)) 
     if let Some((l, m)) = ran.iter().max_by_key(|(_, m)| m.workspace) {
         let im2col = layers
             .iter()
-            .filter_map(|l| l.geometry().ok().map(|g| (im2col_bytes(&g), l)))
+            // im2col_bytes counts f32 elements; int8 ones are a quarter of that.
+            .filter_map(|l| {
+                let per = if unit == Unit::F32 { 1 } else { 4 };
+                l.geometry().ok().map(|g| (im2col_bytes(&g) / per, l))
+            })
             .max_by_key(|(b, _)| *b);
         let im2col = match im2col {
             Some((b, il)) => format!("; a whole im2col matrix would take {b} bytes ({})", il.name),
@@ -289,8 +381,9 @@ fn summary(layers: &[Layer], rows: &[(&Layer, Outcome)], note: impl Fn(String)) 
     if !ran.is_empty() {
         let mean_log = ran.iter().map(|(_, m)| m.gflops.ln()).sum::<f64>() / ran.len() as f64;
         note(format!(
-            "geometric mean: {:.2} GFLOP/s over {} layer(s)",
+            "geometric mean: {:.2} {} over {} layer(s)",
             mean_log.exp(),
+            if unit == Unit::F32 { "GFLOP/s" } else { "GOP/s" },
             ran.len()
         ));
     }

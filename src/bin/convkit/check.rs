@@ -2,12 +2,13 @@
 //! reference.
 
 use crate::args::{CliResult, Flags};
+use crate::bench::Dtype;
 use crate::layers::{self, Prepared};
 use crate::setup_threads;
 use convkit::{Algorithm, Conv2d, Error, Isa, Options, Workspace};
 
 pub fn main(args: &[String]) -> CliResult<bool> {
-    let flags = Flags::parse(args, &["layers", "threads", "only", "layout"], &[])?;
+    let flags = Flags::parse(args, &["layers", "threads", "only", "layout", "dtype"], &[])?;
     let layers = layers::load(
         flags.get("layers"),
         flags.get("only"),
@@ -15,6 +16,10 @@ pub fn main(args: &[String]) -> CliResult<bool> {
     )?;
 
     let (threads, _) = setup_threads(flags.parsed("threads")?)?;
+    let dtype: Dtype = flags.parsed("dtype")?.unwrap_or(Dtype::F32);
+    if dtype != Dtype::F32 {
+        return Ok(crate::qcli::check(&layers, threads, dtype));
+    }
     let width = layers.iter().map(|l| l.name.len()).max().unwrap_or(0);
     let (mut passed, mut failed, mut skipped) = (0usize, 0usize, 0usize);
 

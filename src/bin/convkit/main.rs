@@ -6,6 +6,7 @@ mod bench;
 mod check;
 mod layers;
 mod peak;
+mod qcli;
 mod run;
 
 use args::{CliError, CliResult, Flags};
@@ -20,17 +21,24 @@ Usage:
       CPU, ISA levels, threads, kernels and algorithms.
   convkit bench [--layers FILE] [--only NAME,...] [--threads N] [--isa LEVEL]
                 [--layout nchw|nhwc] [--algorithm NAME] [--kernel NAME] [--precision P] [--reps N]
-                [--peak GFLOPS] [--csv]
+                [--dtype f32|u8|i8] [--peak GFLOPS] [--csv]
       Check each layer once against the reference, then time it (median of --reps,
-      default 7, repetitions of >= 20 ms each).
+      default 7, repetitions of >= 20 ms each). --dtype u8|i8: quantized (GOP/s).
   convkit check [--layers FILE] [--only NAME,...] [--threads N] [--layout nchw|nhwc]
-      Every layer with every algorithm at every ISA level of this CPU, against the reference.
+                [--dtype f32|u8|i8]
+      Every layer with every algorithm at every ISA level of this CPU (with --dtype u8|i8:
+      every int8 kernel), against the reference.
   convkit run --layer N,C_IN,H,W,C_OUT,KH,KW,SH,SW,PH,PW,DH,DW,GROUPS
               --input X.npy --weight W.npy [--bias B.npy] --output Y.npy
               [--threads N] [--isa LEVEL] [--precision P]
       One NCHW float32 convolution: input [n,c_in,h,w], weights [c_out,c_in/groups,kh,kw],
       bias [c_out] (height axes may be left out when h == 1 / kh == 1); writes
       [n,c_out,out_h,out_w].
+  convkit run --dtype u8|i8 --layer ... --input X.npy --weight W.npy [--bias B.npy]
+              (--weight-scales S.npy | --weight-scale F) --x-scale F --x-zero-point Z
+              --y-scale F --y-zero-point Z --output Y.npy [--threads N] [--isa LEVEL]
+      One quantized convolution (ONNX QLinearConv): input uint8/int8 (as --dtype), weights
+      int8, bias int32 [c_out], weight scales float32 [c_out] or [1]; writes --dtype.
   convkit help
 
 Options:
@@ -44,6 +52,7 @@ Options:
   --kernel NAME     force a generated kernel, at its ISA (see `convkit info`)
   --precision P     exact (never Winograd), accurate (F(2,3), F(4,3) only) or balanced
                     (default: F(6,3) too)
+  --dtype D         f32 (default), or quantized: u8 (u8 in/out, zero point 128) or i8
   --peak GFLOPS     per-core peak for the %peak column (default: measured at start-up)
   --csv             CSV instead of a table on stdout
 

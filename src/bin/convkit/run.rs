@@ -1,6 +1,7 @@
 //! `convkit run`: one convolution on .npy files.
 
 use crate::args::{CliError, CliResult, Flags};
+use crate::bench::Dtype;
 use crate::layers::zeros;
 use crate::{resolve_isa, setup_threads};
 use convkit::{Conv2d, Options, Workspace};
@@ -20,9 +21,20 @@ pub fn main(args: &[String]) -> CliResult<bool> {
             "threads",
             "isa",
             "precision",
+            "dtype",
+            "weight-scales",
+            "weight-scale",
+            "x-scale",
+            "x-zero-point",
+            "y-scale",
+            "y-zero-point",
         ],
         &[],
     )?;
+    let dtype: Dtype = flags.parsed("dtype")?.unwrap_or(Dtype::F32);
+    if dtype != Dtype::F32 {
+        return crate::qcli::run(&flags, dtype);
+    }
     let layer = flags.required("layer")?;
     let fields: Vec<&str> = layer.split(',').collect();
     let s = convkit::suite::parse_numbers("--layer", &fields)
@@ -86,20 +98,39 @@ pub fn main(args: &[String]) -> CliResult<bool> {
     Ok(true)
 }
 
-/// Reads a C-order float32 .npy file of shape `expected` (or, when `may_drop_h`, `expected`
-/// without its third axis: the height of a 1-D convolution). The shape is checked before the
-/// data is read.
-fn read_npy(path: &str, what: &str, expected: &[usize], may_drop_h: bool) -> CliResult<Vec<f32>> {
+/// Reads a C-order .npy file of element type `T` and shape `expected` (or, when
+/// `may_drop_h`, `expected` without its third axis: the height of a 1-D convolution). The
+/// shape is checked before the data is read.
+pub fn read_npy<T: npyz::Deserialize>(
+    path: &str,
+    what: &str,
+    expected: &[usize],
+    may_drop_h: bool,
+) -> CliResult<Vec<T>> {
+    let full: Vec<usize> = expected.to_vec();
+    let mut accepted: Vec<Vec<usize>> = vec![full.clone()];
+    if may_drop_h && full.len() == 4 {
+        accepted.push(vec![full[0], full[1], full[3]]);
+    }
+    let shapes: Vec<&[usize]> = accepted.iter().map(|s| s.as_slice()).collect();
+    read_npy_any(path, what, &shapes)
+}
+
+/// Reads a C-order .npy file of element type `T` whose shape is one of `accepted`.
+pub fn read_npy_any<T: npyz::Deserialize>(
+    path: &str,
+    what: &str,
+    accepted: &[&[usize]],
+) -> CliResult<Vec<T>> {
     let fail = |e: String| CliError::Failed(format!("{what} {path}: {e}"));
     let file = std::fs::File::open(path).map_err(|e| fail(e.to_string()))?;
     let npy = npyz::NpyFile::new(BufReader::new(file))
         .map_err(|e| fail(format!("not a .npy file: {e}")))?;
 
-    let full: Vec<u64> = expected.iter().map(|&x| x as u64).collect();
-    let mut accepted = vec![full.clone()];
-    if may_drop_h && full.len() == 4 {
-        accepted.push(vec![full[0], full[1], full[3]]);
-    }
+    let accepted: Vec<Vec<u64>> = accepted
+        .iter()
+        .map(|s| s.iter().map(|&x| x as u64).collect())
+        .collect();
     if !accepted.iter().any(|s| s.as_slice() == npy.shape()) {
         let alternatives: Vec<String> = accepted.iter().map(|s| format!("{s:?}")).collect();
         return Err(fail(format!(
@@ -114,14 +145,19 @@ fn read_npy(path: &str, what: &str, expected: &[usize], may_drop_h: bool) -> Cli
         ));
     }
     let descr = npy.dtype().descr();
-    npy.into_vec::<f32>().map_err(|e| {
+    let want = std::any::type_name::<T>();
+    npy.into_vec::<T>().map_err(|e| {
         fail(format!(
-            "cannot read dtype {descr} as float32 (use .astype(np.float32)): {e}"
+            "cannot read dtype {descr} as {want} (convert it with .astype): {e}"
         ))
     })
 }
 
-fn write_npy(path: &str, shape: &[usize], data: &[f32]) -> CliResult<()> {
+pub fn write_npy<T: npyz::AutoSerialize + Copy>(
+    path: &str,
+    shape: &[usize],
+    data: &[T],
+) -> CliResult<()> {
     let fail = |e: std::io::Error| CliError::Failed(format!("cannot write {path}: {e}"));
     let mut file = BufWriter::new(std::fs::File::create(path).map_err(fail)?);
     let shape: Vec<u64> = shape.iter().map(|&x| x as u64).collect();
