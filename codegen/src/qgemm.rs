@@ -468,48 +468,62 @@ fn emit_simd(spec: &QGemmSpec) -> TokenStream {
             let #sv = #load_f32(ep.scale.add(#off));
         }
     });
-    let per_acc = |f: &dyn Fn(usize, usize, &proc_macro2::Ident) -> TokenStream| {
-        (0..mr)
-            .flat_map(|i| (0..nv).map(move |v| (i, v)))
-            .map(|(i, v)| f(i, v, &red(i, v)))
-            .collect::<Vec<_>>()
-    };
     let consts = |v: usize| (format_ident!("bias{}", v), format_ident!("scale{}", v));
-    let store_i32 = per_acc(&|i, v, r| {
-        let (il, off) = (lit(i), lit(v * lanes));
-        let (bv, _) = consts(v);
-        let s = (o.store_i32)(
-            quote!((c as *mut i32).offset(#il * rs_c).add(#off)),
-            quote!(#add_i32(#r, #bv)),
-        );
-        quote!(#s;)
-    });
-    let store_f32 = per_acc(&|i, v, r| {
-        let (il, off) = (lit(i), lit(v * lanes));
-        let (bv, sv) = consts(v);
-        let s = (o.store_f32)(
-            quote!((c as *mut f32).offset(#il * rs_c).add(#off)),
-            quote!(#mul_f32(#cvt_f32(#add_i32(#r, #bv)), #sv)),
-        );
-        quote!(#s;)
-    });
-    let store_q8 = per_acc(&|i, v, r| {
-        let (il, off) = (lit(i), lit(v * lanes));
-        let (bv, sv) = consts(v);
-        let s = (o.store_bytes)(quote!(c.offset(#il * rs_c).add(#off)), quote!(q));
-        quote! {
-            let f = #mul_f32(#cvt_f32(#add_i32(#r, #bv)), #sv);
-            let q = #add_i32(#cvt_round(#min_f32(#max_f32(f, lo), hi)), zp);
-            #s;
-        }
-    });
-    let spills = per_acc(&|i, v, r| {
-        let off = lit(i * nr + v * lanes);
-        let s = (o.store_i32)(quote!(tile.as_mut_ptr().add(#off)), quote!(#r));
-        quote!(#s;)
-    });
-    let tile_len = lit(mr * nr);
-    let (mr_l, nr_l) = (lit(mr), lit(nr));
+    // One row of the tile in one output mode: `row` is where the row's first column goes.
+    let row_store = |i: usize, mode: &str| -> TokenStream {
+        let body = (0..nv).map(|v| {
+            let r = red(i, v);
+            let off = lit(v * lanes);
+            let (bv, sv) = consts(v);
+            match mode {
+                "i32" => {
+                    let s = (o.store_i32)(
+                        quote!((row as *mut i32).add(#off)),
+                        quote!(#add_i32(#r, #bv)),
+                    );
+                    quote!(#s;)
+                }
+                "f32" => {
+                    let s = (o.store_f32)(
+                        quote!((row as *mut f32).add(#off)),
+                        quote!(#mul_f32(#cvt_f32(#add_i32(#r, #bv)), #sv)),
+                    );
+                    quote!(#s;)
+                }
+                _ => {
+                    let s = (o.store_bytes)(quote!(row.add(#off)), quote!(q));
+                    quote! {
+                        let f = #mul_f32(#cvt_f32(#add_i32(#r, #bv)), #sv);
+                        let q = #add_i32(#cvt_round(#min_f32(#max_f32(f, lo), hi)), zp);
+                        #s;
+                    }
+                }
+            }
+        });
+        quote!(#(#body)*)
+    };
+    // Rows past `m` are not stored; a partial panel (`n < nr`) goes through a row buffer.
+    let rows_of = |mode: &'static str, eb: usize| -> Vec<TokenStream> {
+        let eb = lit(eb);
+        (0..mr)
+            .map(|i| {
+                let il = lit(i);
+                let body = row_store(i, mode);
+                quote! {
+                    if #il < m {
+                        let dst = c.offset(#il * rs_c * #eb);
+                        let row = if full { dst } else { buf.as_mut_ptr() as *mut u8 };
+                        #body
+                        if !full {
+                            core::ptr::copy_nonoverlapping(row, dst, n * #eb);
+                        }
+                    }
+                }
+            })
+            .collect()
+    };
+    let (rows_i32, rows_f32, rows_q8) = (rows_of("i32", 4), rows_of("f32", 4), rows_of("q8", 1));
+    let nr_l = lit(nr);
     let b_step = lit(4 * nr * spec.b_bytes());
     quote! {
         #[doc = #doc]
@@ -527,20 +541,16 @@ fn emit_simd(spec: &QGemmSpec) -> TokenStream {
                 b = b.add(#b_step);
             }
             #(#reduces)*
-            if m == #mr_l && n == #nr_l {
-                #(#col_consts)*
-                match ep.mode {
-                    QMode::I32 => { #(#store_i32)* }
-                    QMode::F32 => { #(#store_f32)* }
-                    QMode::Q8 => {
-                        let (lo, hi, zp) = (#set1_f32(ep.lo), #set1_f32(ep.hi), #set1_i32(ep.zero_point));
-                        #(#store_q8)*
-                    }
+            #(#col_consts)*
+            let full = n == #nr_l;
+            let mut buf = [0i32; #nr_l];
+            match ep.mode {
+                QMode::I32 => { #(#rows_i32)* }
+                QMode::F32 => { #(#rows_f32)* }
+                QMode::Q8 => {
+                    let (lo, hi, zp) = (#set1_f32(ep.lo), #set1_f32(ep.hi), #set1_i32(ep.zero_point));
+                    #(#rows_q8)*
                 }
-            } else {
-                let mut tile = [0i32; #tile_len];
-                #(#spills)*
-                store_edge(&tile, #nr_l, c, rs_c, m, n, ep);
             }
         }
     }

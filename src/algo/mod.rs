@@ -5,6 +5,7 @@ pub mod depthwise;
 pub mod direct;
 pub(crate) mod im2col_gemm;
 pub mod qgemm;
+mod transpose_u8;
 pub mod winograd;
 
 use rayon::prelude::*;

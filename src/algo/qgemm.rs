@@ -555,58 +555,7 @@ fn to_nhwc_u8(input: &[u8], dst: &mut [u8], g: &Geometry, flip: u8) {
             for b in 0..g.batch {
                 let src = &input[b * c * hw..(b + 1) * c * hw];
                 let dst = &mut dst[b * c * hw..(b + 1) * c * hw];
-                transpose_bytes(src, hw, c, dst, flip);
-            }
-        }
-    }
-}
-
-/// `dst[j * rows + i] = src[i * cols + j] ^ flip` for a `rows x cols` byte matrix, in 8x8
-/// blocks through u64 words.
-fn transpose_bytes(src: &[u8], cols: usize, rows: usize, dst: &mut [u8], flip: u8) {
-    const B: usize = 8;
-    let (rb, cb) = (rows / B * B, cols / B * B);
-    for i0 in (0..rb).step_by(B) {
-        for j0 in (0..cb).step_by(B) {
-            let mut w = [0u64; B];
-            for (r, word) in w.iter_mut().enumerate() {
-                let at = (i0 + r) * cols + j0;
-                *word = u64::from_le_bytes(src[at..at + B].try_into().unwrap());
-            }
-            transpose_8x8_bytes(&mut w);
-            let f = u64::from_le_bytes([flip; 8]);
-            for (cidx, word) in w.iter().enumerate() {
-                let at = (j0 + cidx) * rows + i0;
-                dst[at..at + B].copy_from_slice(&(word ^ f).to_le_bytes());
-            }
-        }
-        for j in cb..cols {
-            for i in i0..i0 + B {
-                dst[j * rows + i] = src[i * cols + j] ^ flip;
-            }
-        }
-    }
-    for i in rb..rows {
-        for j in 0..cols {
-            dst[j * rows + i] = src[i * cols + j] ^ flip;
-        }
-    }
-}
-
-/// Transposes the 8x8 byte matrix whose rows are the little-endian words `w`.
-#[inline(always)]
-fn transpose_8x8_bytes(w: &mut [u64; 8]) {
-    // Swap 4x4 blocks, then 2x2, then single bytes (each step a masked exchange).
-    for (shift, mask, step) in [
-        (32u32, 0x0000_0000_FFFF_FFFFu64, 4usize),
-        (16, 0x0000_FFFF_0000_FFFF, 2),
-        (8, 0x00FF_00FF_00FF_00FF, 1),
-    ] {
-        for i in 0..8 {
-            if i & step == 0 {
-                let (a, b) = (w[i], w[i + step]);
-                w[i] = (a & mask) | ((b << shift) & !mask);
-                w[i + step] = ((a >> shift) & mask) | (b & !mask);
+                super::transpose_u8::transpose(src, hw, c, hw, dst, c, flip);
             }
         }
     }
@@ -628,12 +577,9 @@ unsafe fn transpose_block(
 ) {
     match eb {
         1 => {
-            for c in 0..nc {
-                let d = base.add(c * plane);
-                for p in 0..np {
-                    *d.add(p) = block[p * ld + c];
-                }
-            }
+            // SAFETY: the caller guarantees nc planes of np bytes, `plane` apart.
+            let dst = std::slice::from_raw_parts_mut(base, (nc - 1) * plane + np);
+            super::transpose_u8::transpose(block, ld, np, nc, dst, plane, 0);
         }
         _ => {
             let src: &[u32] = bytemuck::cast_slice(&block[..(np * ld * 4).next_multiple_of(4)]);

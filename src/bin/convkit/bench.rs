@@ -383,7 +383,11 @@ fn summary(layers: &[Layer], rows: &[(&Layer, Outcome)], note: impl Fn(String), 
         note(format!(
             "geometric mean: {:.2} {} over {} layer(s)",
             mean_log.exp(),
-            if unit == Unit::F32 { "GFLOP/s" } else { "GOP/s" },
+            if unit == Unit::F32 {
+                "GFLOP/s"
+            } else {
+                "GOP/s"
+            },
             ran.len()
         ));
     }

@@ -38,7 +38,9 @@ impl QPrepared {
         let xq: Vec<i32> = p
             .input
             .iter()
-            .map(|&v| ((v / x_scale).round_ties_even() as i32 + zp).clamp(ty.range().0, ty.range().1))
+            .map(|&v| {
+                ((v / x_scale).round_ties_even() as i32 + zp).clamp(ty.range().0, ty.range().1)
+            })
             .collect();
         let cout = params.out_channels;
         let k = params.weights_len()? / cout;
@@ -49,10 +51,15 @@ impl QPrepared {
             let amax = w.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-12);
             let s = amax / 127.0;
             w_scales.push(s);
-            weights.extend(w.iter().map(|v| (v / s).round_ties_even().clamp(-127.0, 127.0) as i8));
+            weights.extend(
+                w.iter()
+                    .map(|v| (v / s).round_ties_even().clamp(-127.0, 127.0) as i8),
+            );
         }
         let bias: Vec<i32> = (0..cout)
-            .map(|co| (p.bias[co] as f64 * 0.25 / (x_scale as f64 * w_scales[co] as f64)).round() as i32)
+            .map(|co| {
+                (p.bias[co] as f64 * 0.25 / (x_scale as f64 * w_scales[co] as f64)).round() as i32
+            })
             .collect();
         let sums = qconv_sums(&params, g.batch, g.h, g.w, &xq, zp, &weights, Some(&bias))?;
         let co_of = |i: usize| match params.layout {
@@ -265,12 +272,16 @@ pub fn run(flags: &Flags, dtype: Dtype) -> CliResult<bool> {
         &[c_out, params.in_channels_per_group(), kh, kw],
         kh == 1,
     )?;
-    let w_scales: Vec<f32> = match (flags.get("weight-scales"), flags.parsed::<f32>("weight-scale")?) {
+    let w_scales: Vec<f32> = match (
+        flags.get("weight-scales"),
+        flags.parsed::<f32>("weight-scale")?,
+    ) {
         (Some(path), None) => crate::run::read_npy_any(path, "weight scales", &[&[c_out], &[1]])?,
         (None, Some(s)) => vec![s],
         _ => {
             return Err(CliError::Usage(
-                "--dtype needs one of --weight-scales S.npy (per channel) or --weight-scale F".into(),
+                "--dtype needs one of --weight-scales S.npy (per channel) or --weight-scale F"
+                    .into(),
             ))
         }
     };
