@@ -108,7 +108,7 @@ impl Conv2d {
             (None, None) => Isa::default_level()?,
         };
         let algorithm = match (forced.map(|k| k.family), options.algorithm) {
-            (Some(Family::QGemm), _) => {
+            (Some(Family::QGemm | Family::QDepthwise), _) => {
                 return Err(Error::InvalidParameter {
                     what: "kernel",
                     detail: format!(

@@ -17,7 +17,9 @@
 //! exactly, where that product lies within f32 rounding of a half. ONNX Runtime does the same
 //! (its multiplier is f32 too).
 
+use crate::algo::qdepthwise::{QDepthwise, QDwPlan};
 use crate::algo::qgemm::{QGemm, QGemmPlan, QMode, QOut};
+use crate::algo::Algorithm;
 use crate::conv::Options;
 use crate::cpu::{self, Isa};
 use crate::params::Geometry;
@@ -123,12 +125,23 @@ mod sealed {
     impl Sealed for f32 {}
 }
 
+/// The packed weights of one int8 algorithm.
+enum QAlgo {
+    Gemm(QGemm),
+    Depthwise(QDepthwise),
+}
+
+enum QAlgoPlan {
+    Gemm(QGemmPlan),
+    Depthwise(QDwPlan),
+}
+
 pub(crate) struct QConvInner {
     params: ConvParams,
     quant: QuantParams,
     threads: usize,
     out: QOut,
-    gemm: QGemm,
+    algo: QAlgo,
 }
 
 /// A quantized 2-D convolution with its weights packed: immutable, `Send + Sync`, cheap to
@@ -304,10 +317,6 @@ impl QConv2d {
             Some(isa) => Isa::check(isa)?,
             None => Isa::default_level()?,
         };
-        let kern = match options.kernel {
-            Some(name) => cpu::qgemm_by_name(name)?,
-            None => cpu::qgemm(isa),
-        };
         let out = QOut {
             mode,
             bias: folded,
@@ -321,14 +330,73 @@ impl QConv2d {
                 Activation::None
             },
         };
-        let gemm = QGemm::new(&params, weights, &out, zu as u8, kern)?;
+        let zu = zu as u8;
+        // One input channel a group. By default only with several groups: a single input
+        // channel with many outputs (wav2vec2's front end) is a dense GEMM with K = kernel.
+        let depthwise = params.in_channels_per_group() == 1;
+        let prefer_dw = depthwise && params.groups > 1;
+        let unsupported = |reason: String| Error::AlgorithmUnsupported {
+            algorithm: "int8 depthwise",
+            reason,
+        };
+        let forced_dw = match options.kernel {
+            Some(name) => cpu::qdw_by_name(name)?,
+            None => None,
+        };
+        let algo = match (forced_dw, options.kernel, options.algorithm) {
+            (Some(k), _, _) => {
+                if !depthwise {
+                    return Err(unsupported(format!(
+                        "{} runs depthwise convolutions only",
+                        k.name
+                    )));
+                }
+                if let Some(why) = QDepthwise::rejects(&params, k) {
+                    return Err(unsupported(why));
+                }
+                QAlgo::Depthwise(QDepthwise::new(&params, weights, zu, Some(k)))
+            }
+            (None, Some(name), _) => {
+                let kern = cpu::qgemm_by_name(name)?;
+                QAlgo::Gemm(QGemm::new(&params, weights, &out, zu, kern)?)
+            }
+            (None, None, Some(Algorithm::Im2colGemm)) => {
+                QAlgo::Gemm(QGemm::new(&params, weights, &out, zu, cpu::qgemm(isa))?)
+            }
+            (None, None, a @ Some(Algorithm::Depthwise | Algorithm::DepthwiseGeneric))
+            | (None, None, a @ None)
+                if prefer_dw || a.is_some() =>
+            {
+                if !depthwise {
+                    return Err(unsupported(
+                        "the convolution is not depthwise (one input channel a group)".into(),
+                    ));
+                }
+                let kern = match a {
+                    Some(Algorithm::DepthwiseGeneric) => None,
+                    _ => cpu::qdw(isa)
+                        .iter()
+                        .find(|k| QDepthwise::rejects(&params, k).is_none()),
+                };
+                QAlgo::Depthwise(QDepthwise::new(&params, weights, zu, kern))
+            }
+            (None, None, None) => {
+                QAlgo::Gemm(QGemm::new(&params, weights, &out, zu, cpu::qgemm(isa))?)
+            }
+            (None, None, Some(a)) => {
+                return Err(Error::AlgorithmUnsupported {
+                    algorithm: a.name(),
+                    reason: "int8 convolutions run im2col_gemm or depthwise".into(),
+                })
+            }
+        };
         Ok(QConv2d {
             inner: Arc::new(QConvInner {
                 params,
                 quant,
                 threads: options.threads,
                 out,
-                gemm,
+                algo,
             }),
         })
     }
@@ -349,11 +417,14 @@ impl QConv2d {
             t => t,
         };
         let flip = self.inner.quant.input_type == QuantType::I8;
-        let gemm = self.inner.gemm.plan(&geometry, threads, flip);
+        let algo = match &self.inner.algo {
+            QAlgo::Gemm(a) => QAlgoPlan::Gemm(a.plan(&geometry, threads, flip)),
+            QAlgo::Depthwise(a) => QAlgoPlan::Depthwise(a.plan(&geometry, threads)),
+        };
         Ok(QPlan {
             conv: self.inner.clone(),
             geometry,
-            gemm,
+            algo: Arc::new(algo),
         })
     }
 }
@@ -364,7 +435,7 @@ impl QConv2d {
 pub struct QPlan {
     conv: Arc<QConvInner>,
     geometry: Geometry,
-    gemm: QGemmPlan,
+    algo: Arc<QAlgoPlan>,
 }
 
 impl QPlan {
@@ -390,12 +461,18 @@ impl QPlan {
     }
 
     pub fn workspace_bytes(&self) -> usize {
-        self.gemm.workspace_bytes()
+        match &*self.algo {
+            QAlgoPlan::Gemm(p) => p.workspace_bytes(),
+            QAlgoPlan::Depthwise(p) => p.workspace_bytes(),
+        }
     }
 
-    /// The algorithm and kernel that run, e.g. `qgemm/qgemm_u8i8_8x32_avx512vnni`.
+    /// The algorithm and kernel that run, e.g. `im2col_gemm/qgemm_u8i8_8x32_avx512vnni`.
     pub fn kernel_name(&self) -> String {
-        format!("qgemm/{}", self.conv.gemm.kernel_name())
+        match &self.conv.algo {
+            QAlgo::Gemm(a) => format!("im2col_gemm/{}", a.kernel_name()),
+            QAlgo::Depthwise(a) => format!("depthwise/{}", a.kernel_name()),
+        }
     }
 
     /// Direct-convolution operations (2 per multiply-add), the convention of GOP/s figures.
@@ -478,16 +555,19 @@ impl QPlan {
         } else {
             0
         };
-        self.conv.gemm.run(
-            &self.gemm,
-            &self.geometry,
-            &self.conv.out,
+        let (x, y, s) = (
             bytemuck::cast_slice(input),
-            flip,
-            residual,
             bytemuck::cast_slice_mut(output),
             bytemuck::cast_slice_mut(scratch),
         );
+        let (g, out) = (&self.geometry, &self.conv.out);
+        match (&self.conv.algo, &*self.algo) {
+            (QAlgo::Gemm(a), QAlgoPlan::Gemm(p)) => a.run(p, g, out, x, flip, residual, y, s),
+            (QAlgo::Depthwise(a), QAlgoPlan::Depthwise(p)) => {
+                a.run(p, g, out, x, flip, residual, y, s)
+            }
+            _ => unreachable!("a plan is made by its convolution's algorithm"),
+        }
         Ok(())
     }
 }

@@ -53,9 +53,11 @@ struct Case {
     threads: usize,
 }
 
-fn random_case(rng: &mut Rng) -> Case {
+/// A random quantized convolution: any shape, or (`dw`) a depthwise one, of a fixed square
+/// kernel and stride where `dw` says so.
+fn random_case(rng: &mut Rng, dw: Option<Option<(usize, usize)>>) -> Case {
     let groups = pick(rng, &[1, 1, 1, 2, 3]) as usize;
-    let depthwise = rng.next_u64().is_multiple_of(6);
+    let depthwise = dw.is_some() || rng.next_u64().is_multiple_of(6);
     let (cin, cout) = if depthwise {
         let c = int(rng, 1, 9) as usize;
         (c, c * int(rng, 1, 2) as usize)
@@ -66,9 +68,14 @@ fn random_case(rng: &mut Rng) -> Case {
         )
     };
     let groups = if depthwise { cin } else { groups };
-    let kernel = [int(rng, 1, 5) as usize, int(rng, 1, 5) as usize];
-    let stride = [int(rng, 1, 3) as usize, int(rng, 1, 3) as usize];
-    let dilation = [int(rng, 1, 2) as usize, int(rng, 1, 2) as usize];
+    let (kernel, stride, dilation) = match dw {
+        Some(Some((k, s))) => ([k, k], [s, s], [1, 1]),
+        _ => (
+            [int(rng, 1, 5) as usize, int(rng, 1, 5) as usize],
+            [int(rng, 1, 3) as usize, int(rng, 1, 3) as usize],
+            [int(rng, 1, 2) as usize, int(rng, 1, 2) as usize],
+        ),
+    };
     let padding = match rng.next_u64() % 4 {
         0 => Padding::Same,
         1 => Padding::Valid,
@@ -82,7 +89,7 @@ fn random_case(rng: &mut Rng) -> Case {
     let layout = pick(rng, &[Layout::Nchw, Layout::Nhwc]);
     let span = |k: usize, d: usize| (k - 1) * d + 1;
     let h = span(kernel[0], dilation[0]) + int(rng, 0, 12) as usize;
-    let w = span(kernel[1], dilation[1]) + int(rng, 0, 20) as usize;
+    let w = span(kernel[1], dilation[1]) + int(rng, 0, if dw.is_some() { 90 } else { 20 }) as usize;
     let input_type = pick(rng, &[QuantType::U8, QuantType::I8]);
     let (lo, hi) = input_type.range();
     let (lo, hi) = (lo as i64, hi as i64);
@@ -179,10 +186,19 @@ fn bounds(act: Activation, ty: QuantType, scale: f32, zp: i32) -> (i32, i32) {
 }
 
 fn run_case(c: &Case, kernel: &'static str) -> Result<(), String> {
+    run_with(
+        c,
+        Options {
+            kernel: Some(kernel),
+            ..Options::default()
+        },
+    )
+}
+
+fn run_with(c: &Case, opts: Options) -> Result<(), String> {
     let opts = Options {
         threads: c.threads,
-        kernel: Some(kernel),
-        ..Options::default()
+        ..opts
     };
     let conv = QConv2d::new(
         c.params,
@@ -297,13 +313,49 @@ fn every_int8_kernel_is_exact_on_random_cases() {
     for (ki, &kernel) in kernels.iter().enumerate() {
         let mut rng = Rng::new(0x51ab + ki as u64);
         for i in 0..n {
-            let c = random_case(&mut rng);
+            let c = random_case(&mut rng, None);
             if let Err(e) = run_case(&c, kernel) {
                 panic!(
                     "{kernel}, case {i}: {e}\n{:?} batch {} {}x{} quant {:?} threads {}",
                     c.params, c.batch, c.h, c.w, c.quant, c.threads
                 );
             }
+        }
+    }
+}
+
+#[test]
+fn every_int8_depthwise_kernel_is_exact_on_random_cases() {
+    let kernels: Vec<_> = registry()
+        .into_iter()
+        .filter(|k| k.family == Family::QDepthwise && convkit::cpu::has_vnni_vbmi())
+        .collect();
+    let n = cases(150);
+    for (ki, k) in kernels.iter().enumerate() {
+        let mut rng = Rng::new(0xd3 + ki as u64);
+        for i in 0..n {
+            let c = random_case(&mut rng, Some(k.fixed));
+            if let Err(e) = run_case(&c, k.name) {
+                panic!(
+                    "{}, case {i}: {e}\n{:?} {}x{} {:?}",
+                    k.name, c.params, c.h, c.w, c.quant
+                );
+            }
+        }
+    }
+    // The generic kernel, at every ISA level, on any depthwise shape.
+    let mut rng = Rng::new(0xd0);
+    for i in 0..n {
+        let c = random_case(&mut rng, Some(None));
+        let opts = Options {
+            algorithm: Some(convkit::Algorithm::DepthwiseGeneric),
+            ..Options::default()
+        };
+        if let Err(e) = run_with(&c, opts) {
+            panic!(
+                "generic depthwise, case {i}: {e}\n{:?} {}x{} {:?}",
+                c.params, c.h, c.w, c.quant
+            );
         }
     }
 }

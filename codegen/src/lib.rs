@@ -13,10 +13,12 @@ mod depthwise;
 mod direct;
 mod gemm;
 mod layout;
+mod qdw;
 mod qgemm;
 mod simd;
 mod winograd;
 
+pub use qdw::QDW_SHAPES;
 pub use qgemm::{QGemmSpec, QMul, QGEMM};
 
 /// An instruction-set level a kernel is generated for.
@@ -277,6 +279,10 @@ pub fn generate() -> Vec<Generated> {
         Generated {
             file: "qgemm_i8.rs",
             source: format_file(qgemm::emit_all(QGEMM)),
+        },
+        Generated {
+            file: "qdw_i8.rs",
+            source: format_file(qdw::emit_all()),
         },
         Generated {
             file: "layout.rs",

@@ -4,6 +4,7 @@
 pub mod depthwise;
 pub mod direct;
 pub(crate) mod im2col_gemm;
+pub mod qdepthwise;
 pub mod qgemm;
 mod transpose_u8;
 pub mod winograd;

@@ -566,7 +566,7 @@ fn to_nhwc_u8(input: &[u8], dst: &mut [u8], g: &Geometry, flip: u8) {
 ///
 /// # Safety
 /// `base` must be valid for `nc` planes of `np` elements, `plane` apart.
-unsafe fn transpose_block(
+pub(crate) unsafe fn transpose_block(
     block: &[u8],
     ld: usize,
     np: usize,

@@ -57,6 +57,52 @@ pub(crate) mod generated_q {
     include!(concat!(env!("OUT_DIR"), "/qgemm_i8.rs"));
 }
 
+/// The generated int8 depthwise kernels.
+#[allow(clippy::all)]
+pub(crate) mod generated_qdw {
+    include!(concat!(env!("OUT_DIR"), "/qdw_i8.rs"));
+}
+
+/// True if this CPU has AVX-512 VNNI and VBMI (the int8 depthwise kernels' byte gathers).
+pub fn has_vnni_vbmi() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static VBMI: OnceLock<bool> = OnceLock::new();
+        *VBMI.get_or_init(|| has_vnni() && std::arch::is_x86_feature_detected!("avx512vbmi"))
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// The generated int8 depthwise kernels this CPU can run, at ISA level `isa`.
+pub(crate) fn qdw(isa: Isa) -> &'static [crate::algo::qdepthwise::QDwKernel] {
+    if isa == Isa::Avx512 && has_vnni_vbmi() {
+        generated_qdw::QDW_KERNELS
+    } else {
+        &[]
+    }
+}
+
+/// The int8 depthwise kernel named `name`, if there is one (None: not a depthwise name).
+pub(crate) fn qdw_by_name(
+    name: &str,
+) -> Result<Option<&'static crate::algo::qdepthwise::QDwKernel>> {
+    let Some(k) = generated_qdw::QDW_KERNELS
+        .iter()
+        .find(|k| k.name == name.trim())
+    else {
+        return Ok(None);
+    };
+    if has_vnni_vbmi() {
+        Ok(Some(k))
+    } else {
+        Err(Error::IsaUnavailable {
+            requested: k.name.into(),
+            available: "a CPU without AVX-512 VNNI and VBMI".into(),
+        })
+    }
+}
+
 /// True if this CPU has AVX-512 VNNI (the int8 dot products of the `avx512vnni` kernels).
 pub fn has_vnni() -> bool {
     #[cfg(target_arch = "x86_64")]
@@ -282,12 +328,14 @@ pub enum Family {
     Winograd,
     /// int8 GEMM microkernels (quantized convolutions, [`QConv2d`](crate::QConv2d)).
     QGemm,
+    /// int8 depthwise kernels (quantized depthwise convolutions).
+    QDepthwise,
 }
 
 impl Family {
     /// True for the int8 kernels, which run quantized convolutions, not f32 ones.
     pub fn is_int8(self) -> bool {
-        matches!(self, Family::QGemm)
+        matches!(self, Family::QGemm | Family::QDepthwise)
     }
 }
 
@@ -348,7 +396,20 @@ pub fn registry() -> Vec<KernelInfo> {
         fixed: None,
         conv1d: false,
     });
-    gemm.chain(dw).chain(direct).chain(wino).chain(q).collect()
+    let qdw = generated_qdw::QDW_KERNELS.iter().map(|k| KernelInfo {
+        name: k.name,
+        isa: Isa::Avx512,
+        family: Family::QDepthwise,
+        layout: None,
+        fixed: Some((k.k, k.s)),
+        conv1d: false,
+    });
+    gemm.chain(dw)
+        .chain(direct)
+        .chain(wino)
+        .chain(q)
+        .chain(qdw)
+        .collect()
 }
 
 /// The registry entry named `name`, or `Error::InvalidParameter` listing what there is.

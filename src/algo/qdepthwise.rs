@@ -1,0 +1,309 @@
+//! int8 depthwise convolution (one input channel a group, any channel multiplier), exact in
+//! i32, on zero-point padded channel planes.
+//!
+//! Each worker takes an input channel: it copies the plane into its scratch with a border of
+//! the input zero point (and the i8 -> u8 shift), then computes every output row of the
+//! channel's outputs from the padded rows, with no bounds checks: the generated AVX-512
+//! VNNI kernel of the kernel size and stride where there is one (3, 5, 7; strides 1, 2), else
+//! the generic kernel (any size, stride, dilation, every ISA). NHWC tensors are transposed to
+//! channel planes and back, in the workspace. The zero point is folded into the bias at
+//! create time, as for the GEMM path.
+
+use super::qgemm::{requantize, transpose_block, QMode, QOut};
+use super::{for_each_worker, SendPtr};
+use crate::params::Geometry;
+use crate::{Activation, ConvParams, Layout};
+
+/// The epilogue of one output row: the channel's bias, scale (or requantisation multiplier),
+/// zero point and clamp, as [`QEpilogue`](super::qgemm::QEpilogue) has them per column.
+#[repr(C)]
+pub struct QDwEpilogue {
+    pub mode: QMode,
+    /// Bytes of an output element (1 for u8/i8, 4 for i32/f32).
+    pub elem_bytes: usize,
+    pub bias: i32,
+    pub scale: f32,
+    pub zero_point: i32,
+    pub lo: f32,
+    pub hi: f32,
+}
+
+/// The signature of the generated int8 depthwise kernels (see `codegen/src/qdw.rs`).
+/// Arguments: the padded plane, its row length, the output height and width, the weights,
+/// the output plane, the epilogue.
+pub type QDwFn = unsafe fn(*const u8, usize, usize, usize, *const i32, *mut u8, &QDwEpilogue);
+
+/// A generated int8 depthwise kernel: a `k x k` kernel at stride `s`, dilation 1.
+pub struct QDwKernel {
+    pub name: &'static str,
+    pub func: QDwFn,
+    pub k: usize,
+    pub s: usize,
+}
+
+/// Bytes every padded plane has after its last row, for the kernels' 64-byte loads.
+const SLACK: usize = 128;
+
+pub(crate) struct QDepthwise {
+    kern: Option<&'static QDwKernel>,
+    /// The generated kernel's weights: per output channel, `kh` rows of i32 quads.
+    quads: Vec<i32>,
+    /// OIHW weights (the generic kernel).
+    weights: Vec<i8>,
+    zu: u8,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct QDwPlan {
+    workers: usize,
+    /// Padded plane: row length, bytes a worker.
+    wp: usize,
+    plane: usize,
+    /// NHWC: the CHW copies of input and output.
+    in_copy: usize,
+    out_copy: usize,
+}
+
+impl QDwPlan {
+    pub(crate) fn workspace_bytes(&self) -> usize {
+        self.in_copy + self.out_copy + self.workers * self.plane
+    }
+}
+
+impl QDepthwise {
+    /// Why the generated kernel `k` does not take `p` (None: it does).
+    pub(crate) fn rejects(p: &ConvParams, k: &QDwKernel) -> Option<String> {
+        if p.kernel == [k.k, k.k] && p.stride == [k.s, k.s] && p.dilation == [1, 1] {
+            return None;
+        }
+        Some(format!(
+            "{} takes {}x{} kernels at stride {} and dilation 1, not kernel {:?}, stride {:?}, \
+             dilation {:?}",
+            k.name, k.k, k.k, k.s, p.kernel, p.stride, p.dilation
+        ))
+    }
+
+    pub(crate) fn new(
+        p: &ConvParams,
+        weights: &[i8],
+        zu: u8,
+        kern: Option<&'static QDwKernel>,
+    ) -> Self {
+        let (kh, kw) = (p.kernel[0], p.kernel[1]);
+        let nq = kw.div_ceil(4);
+        let mut quads = Vec::new();
+        if kern.is_some() {
+            for co in 0..p.out_channels {
+                for ky in 0..kh {
+                    for q in 0..nq {
+                        let mut b = [0u8; 4];
+                        for (t, byte) in b.iter_mut().enumerate() {
+                            let kx = 4 * q + t;
+                            if kx < kw {
+                                *byte = weights[(co * kh + ky) * kw + kx] as u8;
+                            }
+                        }
+                        quads.push(i32::from_le_bytes(b));
+                    }
+                }
+            }
+        }
+        QDepthwise {
+            kern,
+            quads,
+            weights: weights.to_vec(),
+            zu,
+        }
+    }
+
+    pub(crate) fn kernel_name(&self) -> &'static str {
+        self.kern.map_or("qdw_u8i8_generic", |k| k.name)
+    }
+
+    pub(crate) fn plan(&self, g: &Geometry, threads: usize) -> QDwPlan {
+        let hp = g.pad_top + g.h + g.pad_bottom;
+        let wp = g.pad_left + g.w + g.pad_right;
+        let nhwc = g.layout == Layout::Nhwc;
+        let eb = 4; // the largest output element; planes of bytes are smaller
+        QDwPlan {
+            workers: threads.max(1).min(g.batch * g.c_in).max(1),
+            wp,
+            plane: (hp * wp + SLACK).next_multiple_of(64),
+            in_copy: if nhwc {
+                (g.batch * g.c_in * g.h * g.w).next_multiple_of(64)
+            } else {
+                0
+            },
+            out_copy: if nhwc {
+                (g.batch * g.c_out * g.oh * g.ow * eb).next_multiple_of(64)
+            } else {
+                0
+            },
+        }
+    }
+
+    /// Runs a planned convolution (see [`QGemm::run`](super::qgemm::QGemm::run) for the
+    /// arguments).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn run(
+        &self,
+        plan: &QDwPlan,
+        g: &Geometry,
+        out: &QOut,
+        input: &[u8],
+        flip: u8,
+        residual: Option<&[f32]>,
+        output: &mut [u8],
+        scratch: &mut [u8],
+    ) {
+        let eb = out.elem_bytes();
+        let (in_copy, rest) = scratch[..plan.workspace_bytes()].split_at_mut(plan.in_copy);
+        let (out_copy, planes) = rest.split_at_mut(plan.out_copy);
+        let (hw, ohw) = (g.h * g.w, g.oh * g.ow);
+        // Channel planes: the input as it is (NCHW), or transposed (NHWC, flipped on the way).
+        let (x, flip) = if g.layout == Layout::Nhwc {
+            for b in 0..g.batch {
+                let n = g.c_in * hw;
+                let src = &input[b * n..(b + 1) * n];
+                super::transpose_u8::transpose(
+                    src,
+                    g.c_in,
+                    hw,
+                    g.c_in,
+                    &mut in_copy[b * n..(b + 1) * n],
+                    hw,
+                    flip,
+                );
+            }
+            (&in_copy[..], 0)
+        } else {
+            (input, flip)
+        };
+        let y = SendPtr(if g.layout == Layout::Nhwc {
+            out_copy.as_mut_ptr()
+        } else {
+            output.as_mut_ptr()
+        } as *mut f32);
+        let planes: &mut [f32] = bytemuck::cast_slice_mut(planes);
+        let mult = g.c_out / g.c_in;
+        for_each_worker(plan.workers, g.batch * g.c_in, planes, |scratch, item| {
+            let scratch: &mut [u8] = bytemuck::cast_slice_mut(scratch);
+            let (b, ci) = (item / g.c_in, item % g.c_in);
+            let plane = &mut scratch[..plan.plane];
+            let src = &x[(b * g.c_in + ci) * hw..(b * g.c_in + ci + 1) * hw];
+            // Zero points around the image, the image rows inside (shifted for i8 inputs).
+            let wp = plan.wp;
+            plane[..g.pad_top * wp + g.pad_left].fill(self.zu);
+            for (iy, row) in src.chunks_exact(g.w).enumerate() {
+                let at = (g.pad_top + iy) * wp + g.pad_left;
+                let dst = &mut plane[at..at + g.w];
+                if flip == 0 {
+                    dst.copy_from_slice(row);
+                } else {
+                    for (d, s) in dst.iter_mut().zip(row) {
+                        *d = s ^ flip;
+                    }
+                }
+                // This row's right padding and the next row's left padding.
+                let end = (at + wp).min(plane.len());
+                plane[at + g.w..end].fill(self.zu);
+            }
+            plane[(g.pad_top + g.h) * wp..].fill(self.zu);
+            for co in ci * mult..(ci + 1) * mult {
+                let ep = QDwEpilogue {
+                    mode: out.mode,
+                    elem_bytes: eb,
+                    bias: out.bias[co],
+                    scale: out.scale[co],
+                    zero_point: out.zero_point,
+                    lo: out.lo,
+                    hi: out.hi,
+                };
+                // SAFETY: the output plane (b, co) is this item's alone, inside the output
+                // (or its CHW copy), whose length was checked.
+                let yplane = unsafe { (y.get() as *mut u8).add((b * g.c_out + co) * ohw * eb) };
+                match self.kern {
+                    Some(k) => {
+                        let w = self.quads[co * g.kh * g.kw.div_ceil(4)..].as_ptr();
+                        // SAFETY: the output rows read the plane's rows (oy*s + ky), all
+                        // inside the padded plane, which has SLACK bytes after its last row
+                        // for the 64-byte loads; the CPU has VNNI and VBMI (checked at
+                        // create); yplane holds oh*ow elements.
+                        unsafe { (k.func)(plane.as_ptr(), plan.wp, g.oh, g.ow, w, yplane, &ep) };
+                    }
+                    None => {
+                        let w = &self.weights[co * g.kh * g.kw..(co + 1) * g.kh * g.kw];
+                        for oy in 0..g.oh {
+                            // SAFETY: as above, row oy of the output plane.
+                            unsafe {
+                                generic_row(
+                                    plane,
+                                    plan.wp,
+                                    g,
+                                    oy,
+                                    w,
+                                    yplane.add(oy * g.ow * eb),
+                                    &ep,
+                                )
+                            };
+                        }
+                    }
+                }
+            }
+        });
+        if g.layout == Layout::Nhwc {
+            for b in 0..g.batch {
+                let n = g.c_out * ohw * eb;
+                let src = &out_copy[b * n..(b + 1) * n];
+                // SAFETY: image b of the output holds ohw pixels of c_out elements.
+                unsafe {
+                    transpose_block(
+                        src,
+                        ohw,
+                        g.c_out,
+                        ohw,
+                        eb,
+                        output.as_mut_ptr().add(b * n),
+                        g.c_out,
+                    )
+                };
+            }
+        }
+        if out.mode == QMode::F32 && (residual.is_some() || out.activation != Activation::None) {
+            let y: &mut [f32] = bytemuck::cast_slice_mut(output);
+            for (i, v) in y.iter_mut().enumerate() {
+                *v = out.activation.apply(*v + residual.map_or(0.0, |r| r[i]));
+            }
+        }
+    }
+}
+
+/// One output row of one channel, any kernel, stride and dilation, in scalar code.
+///
+/// # Safety
+/// `yrow` must be writable for `g.ow` elements of the type of `ep.mode`.
+unsafe fn generic_row(
+    plane: &[u8],
+    wp: usize,
+    g: &Geometry,
+    oy: usize,
+    w: &[i8],
+    yrow: *mut u8,
+    ep: &QDwEpilogue,
+) {
+    for ox in 0..g.ow {
+        let mut acc = 0i32;
+        for ky in 0..g.kh {
+            let row = &plane[(oy * g.sh + ky * g.dh) * wp..];
+            for kx in 0..g.kw {
+                acc += row[ox * g.sw + kx * g.dw] as i32 * w[ky * g.kw + kx] as i32;
+            }
+        }
+        let v = acc.wrapping_add(ep.bias);
+        match ep.mode {
+            QMode::I32 => *(yrow as *mut i32).add(ox) = v,
+            QMode::F32 => *(yrow as *mut f32).add(ox) = v as f32 * ep.scale,
+            QMode::Q8 => *yrow.add(ox) = requantize(v, ep.scale, ep.lo, ep.hi, ep.zero_point) as u8,
+        }
+    }
+}
