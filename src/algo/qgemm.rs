@@ -537,19 +537,40 @@ fn im2col_rows(
     let k = cin_g * g.kh * g.kw;
     // Taps along a kernel row are one contiguous run of the input at dilation 1.
     let run = g.kw * cin_g;
-    for p in 0..np {
-        let row = &mut rows[p * k4..(p + 1) * k4];
-        let (oy, ox) = ((p0 + p) / g.ow, (p0 + p) % g.ow);
+    let (mut oy, mut ox) = (p0 / g.ow, p0 % g.ow);
+    // Per kernel row of the current output row: where its input line starts, if inside.
+    let lines = |oy: usize| {
+        let mut at = [None; 16];
+        for (ky, a) in at.iter_mut().enumerate().take(g.kh.min(16)) {
+            let iy = (oy * g.sh + ky * g.dh) as isize - g.pad_top as isize;
+            if iy >= 0 && iy < g.h as isize {
+                *a = Some(iy as usize * g.w * g.c_in);
+            }
+        }
+        at
+    };
+    let mut line_at = lines(oy);
+    for row in rows.chunks_exact_mut(k4).take(np) {
         let ix0 = (ox * g.sw) as isize - g.pad_left as isize;
         let inside_x = ix0 >= 0 && ix0 as usize + (g.kw - 1) * g.dw < g.w;
         for ky in 0..g.kh {
-            let iy = (oy * g.sh + ky * g.dh) as isize - g.pad_top as isize;
             let dst = &mut row[ky * run..(ky + 1) * run];
-            if iy < 0 || iy >= g.h as isize {
-                dst.fill(zu);
-                continue;
-            }
-            let line = &image[iy as usize * g.w * g.c_in..(iy as usize + 1) * g.w * g.c_in];
+            let line = match if ky < 16 { line_at[ky] } else { None } {
+                Some(at) => &image[at..at + g.w * g.c_in],
+                None if ky < 16 => {
+                    dst.fill(zu);
+                    continue;
+                }
+                None => {
+                    // Kernels taller than 16 rows: the row's line, computed here.
+                    let iy = (oy * g.sh + ky * g.dh) as isize - g.pad_top as isize;
+                    if iy < 0 || iy >= g.h as isize {
+                        dst.fill(zu);
+                        continue;
+                    }
+                    &image[iy as usize * g.w * g.c_in..(iy as usize + 1) * g.w * g.c_in]
+                }
+            };
             if inside_x && g.dw == 1 {
                 let from = ix0 as usize * g.c_in + grp * cin_g;
                 if cin_g == g.c_in {
@@ -573,6 +594,11 @@ fn im2col_rows(
             }
         }
         row[k..].fill(0);
+        ox += 1;
+        if ox == g.ow {
+            (ox, oy) = (0, oy + 1);
+            line_at = lines(oy);
+        }
     }
 }
 
