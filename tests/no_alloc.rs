@@ -116,3 +116,58 @@ fn run_does_not_allocate() {
         assert!(output.iter().all(|v| v.is_finite()));
     }
 }
+
+#[test]
+fn quantized_run_does_not_allocate() {
+    use convkit::{QConv2d, QuantOutput, QuantParams, QuantType};
+    let dw = |layout| {
+        ConvParams::conv2d(16, 16, [3, 3])
+            .with_groups(16)
+            .with_padding(Padding::Same)
+            .with_layout(layout)
+    };
+    let layers = [
+        (
+            ConvParams::conv2d(24, 40, [3, 3]).with_padding(Padding::Same),
+            "im2col_gemm/",
+        ),
+        (
+            ConvParams::conv2d(32, 40, [1, 1]).with_layout(Layout::Nhwc),
+            "im2col_gemm/",
+        ),
+        (dw(Layout::Nchw), "depthwise/"),
+        (dw(Layout::Nhwc), "depthwise/"),
+    ];
+    let mut ws = Workspace::new();
+    for (params, path) in layers {
+        for input_type in [QuantType::U8, QuantType::I8] {
+            let weights = vec![3i8; params.weights_len().unwrap()];
+            let bias = vec![7i32; params.out_channels];
+            let quant = QuantParams {
+                input_type,
+                input_scale: 0.1,
+                input_zero_point: 5,
+                weight_scales: vec![0.01],
+                output: QuantOutput::I32,
+            };
+            let conv =
+                QConv2d::new(params, quant, &weights, Some(&bias), Options::threads(1)).unwrap();
+            let plan = conv.plan(2, 12, 12).unwrap();
+            assert!(
+                plan.kernel_name().starts_with(path),
+                "{}",
+                plan.kernel_name()
+            );
+            let mut output = vec![0i32; plan.output_len()];
+            ws.reserve(plan.workspace_bytes()).unwrap();
+            let (x8, xu) = (vec![1i8; plan.input_len()], vec![1u8; plan.input_len()]);
+            let before = ALLOCATIONS.load(Ordering::SeqCst);
+            match input_type {
+                QuantType::U8 => plan.run(&xu, &mut output, &mut ws).unwrap(),
+                QuantType::I8 => plan.run(&x8, &mut output, &mut ws).unwrap(),
+            }
+            let after = ALLOCATIONS.load(Ordering::SeqCst);
+            assert_eq!(after - before, 0, "{} allocated", plan.kernel_name());
+        }
+    }
+}
