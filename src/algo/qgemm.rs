@@ -169,6 +169,11 @@ impl QGemmPlan {
     }
 }
 
+/// Bytes of the row pointers of an item's pixels, whole register blocks of them.
+fn ptrs_bytes(pchunk: usize, mr: usize) -> usize {
+    (pchunk.div_ceil(mr) * mr * std::mem::size_of::<usize>()).next_multiple_of(64)
+}
+
 /// Bytes of im2col rows an item may fill: with the weights panel, they stay in L2.
 const ROWS_BYTES: usize = 192 * 1024;
 
@@ -280,7 +285,8 @@ impl QGemm {
             workers,
             direct_rows,
             input_copy,
-            per_worker: (rows.next_multiple_of(64) + zrow + cblock).next_multiple_of(64),
+            per_worker: (rows.next_multiple_of(64) + zrow + cblock + ptrs_bytes(pchunk, mr))
+                .next_multiple_of(64),
         }
     }
 
@@ -381,7 +387,8 @@ impl QGemm {
         } else {
             (plan.pchunk * k4).next_multiple_of(64)
         };
-        let (rows, rest) = scratch.split_at_mut(rows_len);
+        let (ptrs, rest) = scratch.split_at_mut(ptrs_bytes(plan.pchunk, mr));
+        let (rows, rest) = rest.split_at_mut(rows_len);
         let (zrow, cblock) = rest.split_at_mut(k4.next_multiple_of(64));
         zrow.fill(self.zu);
         let cin_g = g.cin_g();
@@ -389,25 +396,30 @@ impl QGemm {
         if !plan.direct_rows {
             im2col_rows(image, g, grp, p0, np, k4, self.zu, rows);
         }
-        // Where a pixel's A row starts.
-        let row_ptr = |p: usize| -> *const u8 {
-            if p >= np {
-                return zrow.as_ptr();
-            }
-            if !plan.direct_rows {
-                return rows.as_ptr().add(p * k4);
-            }
-            let (oy, ox) = ((p0 + p) / g.ow, (p0 + p) % g.ow);
-            let iy = (oy * g.sh) as isize - g.pad_top as isize;
-            let ix = (ox * g.sw) as isize - g.pad_left as isize;
-            if iy < 0 || ix < 0 || iy >= g.h as isize || ix >= g.w as isize {
-                zrow.as_ptr()
+        // Where each pixel's A row starts, once for every panel: an im2col row, the input
+        // (1x1), or the zero-point row (padding, and the rows past the last pixel).
+        let ptrs: &mut [usize] = bytemuck::cast_slice_mut(ptrs);
+        let (mut oy, mut ox) = (p0 / g.ow, p0 % g.ow);
+        for (p, slot) in ptrs.iter_mut().enumerate() {
+            *slot = if p >= np {
+                zrow.as_ptr() as usize
+            } else if !plan.direct_rows {
+                rows.as_ptr() as usize + p * k4
             } else {
-                image
-                    .as_ptr()
-                    .add((iy as usize * g.w + ix as usize) * g.c_in + grp * cin_g)
-            }
-        };
+                let iy = (oy * g.sh) as isize - g.pad_top as isize;
+                let ix = (ox * g.sw) as isize - g.pad_left as isize;
+                ox += 1;
+                if ox == g.ow {
+                    (ox, oy) = (0, oy + 1);
+                }
+                if iy < 0 || ix < 0 || iy >= g.h as isize || ix >= g.w as isize {
+                    zrow.as_ptr() as usize
+                } else {
+                    let at = (iy as usize * g.w + ix as usize) * g.c_in + grp * cin_g;
+                    image[at..].as_ptr() as usize
+                }
+            };
+        }
         let eb = out.elem_bytes();
         // Where the tile of pixel p, channel c (within the item) goes, and the row stride.
         let (dst, rs): (*mut u8, usize) = match g.layout {
@@ -435,16 +447,13 @@ impl QGemm {
             };
             for ir in (0..np).step_by(mr) {
                 let mm = mr.min(np - ir);
-                let mut a_rows = [std::ptr::null::<u8>(); 16];
-                for (i, r) in a_rows.iter_mut().enumerate().take(mr) {
-                    *r = row_ptr(ir + i);
-                }
+                let a_rows = ptrs[ir..].as_ptr() as *const *const u8;
                 let c = dst.add((ir * rs + jc) * eb);
                 // SAFETY: every row pointer is readable for k4 bytes (im2col rows, the zero
                 // row, or a 1x1 input row of cin_g = k4 channels); the weights panel holds kq
                 // quads of nr channels; the tile lies inside the output (or the C block);
                 // bias and scale are padded to whole panels.
-                (self.kern.func)(self.kq, a_rows.as_ptr(), b, c, rs as isize, mm, nn, &ep);
+                (self.kern.func)(self.kq, a_rows, b, c, rs as isize, mm, nn, &ep);
             }
         }
         // NCHW: the block of pixels x channels into its channel planes.
