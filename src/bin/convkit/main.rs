@@ -134,6 +134,12 @@ fn info(args: &[String]) -> CliResult<bool> {
     println!("cpu:          {model}");
     println!("isa levels:   {}", available.join(", "));
     println!("default isa:  {default}");
+    let yes = |b: bool| if b { "yes" } else { "no" };
+    println!(
+        "int8:         AVX-512 VNNI {} (the avx512vnni GEMM kernel), VBMI {} (the qdw depthwise kernels)",
+        yes(convkit::cpu::has_vnni()),
+        yes(convkit::cpu::has_vnni_vbmi())
+    );
     println!("threads:      {} (rayon)", rayon::current_num_threads());
     println!(
         "algorithms:   {}",
