@@ -35,8 +35,9 @@ pub fn emit_all() -> TokenStream {
         }
     });
     quote! {
-        use crate::algo::qdepthwise::{QDwEpilogue, QDwKernel};
-        use crate::algo::qgemm::QMode;
+        use crate::algo::qdepthwise::QDwKernel;
+        #[cfg(target_arch = "x86_64")]
+        use crate::algo::{qdepthwise::QDwEpilogue, qgemm::QMode};
 
         #(#kernels)*
 
