@@ -3,29 +3,30 @@
 
 use convkit::{Activation, Conv2d, ConvParams, Layout, Options, Padding, Workspace};
 use std::alloc::{GlobalAlloc, Layout as AllocLayout, System};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::cell::Cell;
 
 struct Counting;
-static ALLOCATIONS: AtomicUsize = AtomicUsize::new(0);
 
 thread_local! {
-    /// Counting is on for this thread (the test's runs are on the caller's thread; other
-    /// threads, like the test harness's, allocate when they please).
-    static ON: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// Whether counting is on, and the count, for this thread alone: the test's runs are on
+    /// the caller's thread, while other tests and the harness allocate on theirs.
+    static ON: Cell<bool> = const { Cell::new(false) };
+    static ALLOCATIONS: Cell<usize> = const { Cell::new(0) };
 }
 
+/// Allocations `f` makes on this thread.
 fn count(f: impl FnOnce()) -> usize {
-    let before = ALLOCATIONS.load(Ordering::SeqCst);
+    let before = ALLOCATIONS.with(Cell::get);
     ON.with(|on| on.set(true));
     f();
     ON.with(|on| on.set(false));
-    ALLOCATIONS.load(Ordering::SeqCst) - before
+    ALLOCATIONS.with(Cell::get) - before
 }
 
 fn note() {
     // `try_with`: a thread being torn down has no thread-locals left to ask.
-    if ON.try_with(|on| on.get()).unwrap_or(false) {
-        ALLOCATIONS.fetch_add(1, Ordering::SeqCst);
+    if ON.try_with(Cell::get).unwrap_or(false) {
+        let _ = ALLOCATIONS.try_with(|n| n.set(n.get() + 1));
     }
 }
 

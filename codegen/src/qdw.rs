@@ -52,10 +52,13 @@ fn emit(k: usize, s: usize) -> TokenStream {
     let doc = format!(
         " int8 depthwise {k}x{k} stride {s}, one channel (AVX-512 VNNI + VBMI): the `oh x ow` \
          outputs from the zero-point padded input plane `plane` (rows `wp` bytes apart), weights \
-         `w` as {k}x{nq} i32 quads of i8 taps (zero-padded).\n\n \
-         # Safety\n The CPU must have AVX-512F/BW, VNNI and VBMI; the plane must be readable \
-         for the rows the outputs reach plus `64 + {last}` bytes of slack after the last one; \
-         `out` writable for `oh * ow` elements of the type of `ep.mode`.",
+         `w` as {k}x{nq} i32 quads of i8 taps (zero-padded). With `table` null, vectors are 16 \
+         outputs of a row; else 16 consecutive outputs of the plane, `table[64 * x]` the \
+         `vpermb` indices of a vector starting at column `x`.\n\n \
+         # Safety\n The CPU must have AVX-512F/BW/VL, VNNI and VBMI; the plane must be readable \
+         for 64 + {last} bytes from every row and column a vector (of either mode, whole) \
+         starts its reads at; the table must hold `ow` rows of 64 indices below 64; `out` \
+         writable for `oh * ow` elements of the type of `ep.mode`.",
         last = 4 * (nq - 1)
     );
     // vpermb indices: output j of a vector takes bytes j*s + t, t = 0..4, of the load.
@@ -70,33 +73,44 @@ fn emit(k: usize, s: usize) -> TokenStream {
             quote!(let #wn = _mm512_set1_epi32(*w.add(#at));)
         })
     });
-    // Vector u of a step: its position, its sum over every tap, its store.
-    let steps = (0..UNROLL).map(|u| {
-        let (acc, oy, x, ok) = (
-            format_ident!("acc{}", u),
-            format_ident!("oy{}", u),
-            format_ident!("x{}", u),
-            format_ident!("ok{}", u),
-        );
-        let terms = (0..k).flat_map(|ky| {
-            let acc = acc.clone();
+    // The sum of one vector over every tap: `base` its first output's input, `idx` its gather.
+    let terms = |acc: &proc_macro2::Ident, idx: &proc_macro2::Ident, base: &proc_macro2::Ident| {
+        let t = (0..k).flat_map(|ky| {
             (0..nq).map(move |q| {
                 let wn = format_ident!("w{}_{}", ky, q);
                 let off = lit(4 * q);
                 let ky = lit(ky);
                 quote! {
-                    let v = _mm512_permutexvar_epi8(idx, _mm512_loadu_si512(base.add(#ky * wp + #off) as *const __m512i));
+                    let v = _mm512_permutexvar_epi8(#idx, _mm512_loadu_si512(#base.add(#ky * wp + #off) as *const __m512i));
                     #acc = _mm512_dpbusd_epi32(#acc, v, #wn);
                 }
             })
         });
-        // Past the last output, a vector recomputes the first one of the step (reads stay
-        // inside the plane) and stores nothing.
+        quote! {
+            let mut #acc = _mm512_setzero_si512();
+            #(#t)*
+        }
+    };
+    let names = |u: usize| {
+        (
+            format_ident!("acc{}", u),
+            format_ident!("oy{}", u),
+            format_ident!("x{}", u),
+            format_ident!("ok{}", u),
+            format_ident!("base{}", u),
+            format_ident!("idx{}", u),
+        )
+    };
+    // Row mode: vector u of a step is 16 outputs of one row. Past the last output, a vector
+    // recomputes the step's first one (reads stay inside the plane) and stores nothing.
+    let row_steps = (0..UNROLL).map(|u| {
+        let (acc, oy, x, ok, base, _) = names(u);
+        let idx = format_ident!("idx");
+        let sum = terms(&acc, &idx, &base);
         quote! {
             let (#oy, #x, #ok) = (oy, x, oy < oh);
-            let base = if #ok { plane.add(#oy * #s_l * wp + #x * #s_l) } else { first };
-            let mut #acc = _mm512_setzero_si512();
-            #(#terms)*
+            let #base = if #ok { plane.add(#oy * #s_l * wp + #x * #s_l) } else { plane };
+            #sum
             if #ok {
                 x += #lanes_l;
                 if x >= ow {
@@ -106,16 +120,45 @@ fn emit(k: usize, s: usize) -> TokenStream {
             }
         }
     });
-    let stores = (0..UNROLL).map(|u| {
-        let (acc, oy, x, ok) = (
-            format_ident!("acc{}", u),
-            format_ident!("oy{}", u),
-            format_ident!("x{}", u),
-            format_ident!("ok{}", u),
-        );
+    let row_stores = (0..UNROLL).map(|u| {
+        let (acc, oy, x, ok, _, _) = names(u);
         quote! {
             if #ok {
                 store(#acc, #oy * ow + #x, ow - #x);
+            }
+        }
+    });
+    // Flat mode: vector u is the next 16 outputs in plane order, across rows, gathered with
+    // the table's indices for the column it starts at.
+    let flat_steps = (0..UNROLL).map(|u| {
+        let (acc, oy, x, ok, base, idx) = names(u);
+        let sum = terms(&acc, &idx, &base);
+        quote! {
+            let (#oy, #x, #ok) = (oy, x, oy < oh);
+            let (#base, #idx) = if #ok {
+                (
+                    plane.add(#oy * #s_l * wp + #x * #s_l),
+                    _mm512_loadu_si512(table.add(#x * 64) as *const __m512i),
+                )
+            } else {
+                (plane, idx)
+            };
+            #sum
+            if #ok {
+                x += #lanes_l;
+                while x >= ow {
+                    x -= ow;
+                    oy += 1;
+                }
+            }
+        }
+    });
+    let flat_stores = (0..UNROLL).map(|u| {
+        let (acc, oy, x, ok, _, _) = names(u);
+        quote! {
+            if #ok {
+                let at = #oy * ow + #x;
+                store(#acc, at, oh * ow - at);
             }
         }
     });
@@ -123,14 +166,14 @@ fn emit(k: usize, s: usize) -> TokenStream {
         #[doc = #doc]
         #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi")]
         #[cfg(target_arch = "x86_64")]
-        pub unsafe fn #name(plane: *const u8, wp: usize, oh: usize, ow: usize, w: *const i32, out: *mut u8, ep: &QDwEpilogue) {
+        pub unsafe fn #name(plane: *const u8, wp: usize, oh: usize, ow: usize, table: *const u8, w: *const i32, out: *mut u8, ep: &QDwEpilogue) {
             use core::arch::x86_64::*;
             let idx = _mm512_loadu_si512([#(#idx),*].as_ptr() as *const __m512i);
             #(#weights)*
             let bias = _mm512_set1_epi32(ep.bias);
             let scale = _mm512_set1_ps(ep.scale);
             let (lo, hi, zp) = (_mm512_set1_ps(ep.lo), _mm512_set1_ps(ep.hi), _mm512_set1_epi32(ep.zero_point));
-            // The epilogue of one vector: outputs `at..`, of which `left` remain in the row.
+            // The epilogue of one vector: outputs `at..`, of which `left` remain to store.
             let store = |acc: __m512i, at: usize, left: usize| {
                 let v = _mm512_add_epi32(acc, bias);
                 let full = left >= #lanes_l;
@@ -149,13 +192,19 @@ fn emit(k: usize, s: usize) -> TokenStream {
                     }
                 }
             };
-            // Steps of UNROLL vectors of 16 outputs, in row order across rows: independent
-            // sums hide the multiply-add latency even where a row is one vector wide.
-            let first = plane;
+            // Steps of UNROLL vectors of 16 outputs: independent sums hide the multiply-add
+            // latency.
             let (mut oy, mut x) = (0usize, 0usize);
-            while oy < oh {
-                #(#steps)*
-                #(#stores)*
+            if table.is_null() {
+                while oy < oh {
+                    #(#row_steps)*
+                    #(#row_stores)*
+                }
+            } else {
+                while oy < oh {
+                    #(#flat_steps)*
+                    #(#flat_stores)*
+                }
             }
         }
     }

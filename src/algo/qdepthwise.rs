@@ -29,9 +29,10 @@ pub struct QDwEpilogue {
 }
 
 /// The signature of the generated int8 depthwise kernels (see `codegen/src/qdw.rs`).
-/// Arguments: the padded plane, its row length, the output height and width, the weights,
-/// the output plane, the epilogue.
-pub type QDwFn = unsafe fn(*const u8, usize, usize, usize, *const i32, *mut u8, &QDwEpilogue);
+/// Arguments: the padded plane, its row length, the output height and width, the flat
+/// mode's gather table (or null), the weights, the output plane, the epilogue.
+pub type QDwFn =
+    unsafe fn(*const u8, usize, usize, usize, *const u8, *const i32, *mut u8, &QDwEpilogue);
 
 /// A generated int8 depthwise kernel: a `k x k` kernel at stride `s`, dilation 1.
 pub struct QDwKernel {
@@ -53,8 +54,12 @@ pub(crate) struct QDepthwise {
     zu: u8,
 }
 
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub(crate) struct QDwPlan {
+    /// The flat mode's `vpermb` indices (see `codegen/src/qdw.rs`): for each column a vector
+    /// of 16 consecutive outputs may start at, where each output's four bytes are relative to
+    /// the first output's; empty where they do not fit one 64-byte load (row mode).
+    table: Vec<u8>,
     workers: usize,
     /// Padded plane: row length, bytes a worker.
     wp: usize,
@@ -125,10 +130,16 @@ impl QDepthwise {
         let wp = g.pad_left + g.w + g.pad_right;
         let nhwc = g.layout == Layout::Nhwc;
         let eb = 4; // the largest output element; planes of bytes are smaller
+        let table = match self.kern {
+            Some(_) => flat_table(g, wp),
+            None => Vec::new(),
+        };
         QDwPlan {
+            table,
             workers: threads.max(1).min(g.batch * g.c_in).max(1),
             wp,
-            plane: (hp * wp + SLACK).next_multiple_of(64),
+            // Flat-mode vectors past the last output read up to two output rows further.
+            plane: ((hp + 2 * g.sh + 2) * wp + SLACK).next_multiple_of(64),
             in_copy: if nhwc {
                 (g.batch * g.c_in * g.h * g.w).next_multiple_of(64)
             } else {
@@ -191,24 +202,23 @@ impl QDepthwise {
             let (b, ci) = (item / g.c_in, item % g.c_in);
             let plane = &mut scratch[..plan.plane];
             let src = &x[(b * g.c_in + ci) * hw..(b * g.c_in + ci + 1) * hw];
-            // Zero points around the image, the image rows inside (shifted for i8 inputs).
+            // Zero points around the image, the image rows inside (shifted for i8 inputs):
+            // plain loops, which the compiler vectorises without a memcpy call a row.
             let wp = plan.wp;
-            plane[..g.pad_top * wp + g.pad_left].fill(self.zu);
+            let zu = self.zu;
+            plane[..g.pad_top * wp + g.pad_left].fill(zu);
             for (iy, row) in src.chunks_exact(g.w).enumerate() {
                 let at = (g.pad_top + iy) * wp + g.pad_left;
-                let dst = &mut plane[at..at + g.w];
-                if flip == 0 {
-                    dst.copy_from_slice(row);
-                } else {
-                    for (d, s) in dst.iter_mut().zip(row) {
-                        *d = s ^ flip;
-                    }
+                for (d, s) in plane[at..at + g.w].iter_mut().zip(row) {
+                    *d = s ^ flip;
                 }
                 // This row's right padding and the next row's left padding.
                 let end = (at + wp).min(plane.len());
-                plane[at + g.w..end].fill(self.zu);
+                for d in &mut plane[at + g.w..end] {
+                    *d = zu;
+                }
             }
-            plane[(g.pad_top + g.h) * wp..].fill(self.zu);
+            plane[(g.pad_top + g.h) * wp..].fill(zu);
             for co in ci * mult..(ci + 1) * mult {
                 let ep = QDwEpilogue {
                     mode: out.mode,
@@ -229,7 +239,14 @@ impl QDepthwise {
                         // inside the padded plane, which has SLACK bytes after its last row
                         // for the 64-byte loads; the CPU has VNNI and VBMI (checked at
                         // create); yplane holds oh*ow elements.
-                        unsafe { (k.func)(plane.as_ptr(), plan.wp, g.oh, g.ow, w, yplane, &ep) };
+                        let table = if plan.table.is_empty() {
+                            std::ptr::null()
+                        } else {
+                            plan.table.as_ptr()
+                        };
+                        unsafe {
+                            (k.func)(plane.as_ptr(), plan.wp, g.oh, g.ow, table, w, yplane, &ep)
+                        };
                     }
                     None => {
                         let w = &self.weights[co * g.kh * g.kw..(co + 1) * g.kh * g.kw];
@@ -276,6 +293,32 @@ impl QDepthwise {
             }
         }
     }
+}
+
+/// The flat mode's gather table for `g` on planes `wp` wide: for each
+/// starting column `x0`, output `j` of the vector (`x0 + j` in plane order) reads bytes
+/// `rel + t` of the load at the first output's input, `rel` its offset. Empty if some `rel`
+/// does not fit one 64-byte load (wide rows at stride 2), or the image is wide enough for
+/// rows of whole vectors.
+fn flat_table(g: &Geometry, wp: usize) -> Vec<u8> {
+    const LANES: usize = 16;
+    if g.ow >= 4 * LANES {
+        return Vec::new();
+    }
+    let mut table = vec![0u8; g.ow * 64];
+    for x0 in 0..g.ow {
+        for j in 0..LANES {
+            let (dy, x) = ((x0 + j) / g.ow, (x0 + j) % g.ow);
+            let rel = (dy * g.sh * wp + x * g.sw) as isize - (x0 * g.sw) as isize;
+            if !(0..=60).contains(&rel) {
+                return Vec::new();
+            }
+            for t in 0..4 {
+                table[x0 * 64 + 4 * j + t] = (rel + t as isize) as u8;
+            }
+        }
+    }
+    table
 }
 
 /// One output row of one channel, any kernel, stride and dilation, in scalar code.
