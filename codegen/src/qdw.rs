@@ -19,10 +19,18 @@ pub fn name(k: usize, s: usize) -> String {
     format!("qdw_u8i8_k{k}s{s}_avx512vnni")
 }
 
-/// Outputs a vector, and vectors the main loop keeps in flight (independent sums hide the
-/// multiply-add latency).
+/// Outputs a vector.
 const LANES: usize = 16;
-const UNROLL: usize = 2;
+
+/// Vectors a step keeps in flight (independent sums hide the multiply-add latency): four for
+/// 3x3, two for the larger kernels, whose weights take more registers.
+fn unroll(k: usize) -> usize {
+    if k <= 3 {
+        4
+    } else {
+        2
+    }
+}
 
 pub fn emit_all() -> TokenStream {
     let kernels = QDW_SHAPES.iter().map(|&(k, s)| emit(k, s));
@@ -87,7 +95,7 @@ fn emit(k: usize, s: usize) -> TokenStream {
             })
         });
         quote! {
-            let mut #acc = _mm512_setzero_si512();
+            let mut #acc = bias;
             #(#t)*
         }
     };
@@ -103,7 +111,7 @@ fn emit(k: usize, s: usize) -> TokenStream {
     };
     // Row mode: vector u of a step is 16 outputs of one row. Past the last output, a vector
     // recomputes the step's first one (reads stay inside the plane) and stores nothing.
-    let row_steps = (0..UNROLL).map(|u| {
+    let row_steps = (0..unroll(k)).map(|u| {
         let (acc, oy, x, ok, base, _) = names(u);
         let idx = format_ident!("idx");
         let sum = terms(&acc, &idx, &base);
@@ -120,7 +128,7 @@ fn emit(k: usize, s: usize) -> TokenStream {
             }
         }
     });
-    let row_stores = (0..UNROLL).map(|u| {
+    let row_stores = (0..unroll(k)).map(|u| {
         let (acc, oy, x, ok, _, _) = names(u);
         quote! {
             if #ok {
@@ -130,7 +138,7 @@ fn emit(k: usize, s: usize) -> TokenStream {
     });
     // Flat mode: vector u is the next 16 outputs in plane order, across rows, gathered with
     // the table's indices for the column it starts at.
-    let flat_steps = (0..UNROLL).map(|u| {
+    let flat_steps = (0..unroll(k)).map(|u| {
         let (acc, oy, x, ok, base, idx) = names(u);
         let sum = terms(&acc, &idx, &base);
         quote! {
@@ -153,7 +161,7 @@ fn emit(k: usize, s: usize) -> TokenStream {
             }
         }
     });
-    let flat_stores = (0..UNROLL).map(|u| {
+    let flat_stores = (0..unroll(k)).map(|u| {
         let (acc, oy, x, ok, _, _) = names(u);
         quote! {
             if #ok {
@@ -175,7 +183,7 @@ fn emit(k: usize, s: usize) -> TokenStream {
             let (lo, hi, zp) = (_mm512_set1_ps(ep.lo), _mm512_set1_ps(ep.hi), _mm512_set1_epi32(ep.zero_point));
             // The epilogue of one vector: outputs `at..`, of which `left` remain to store.
             let store = |acc: __m512i, at: usize, left: usize| {
-                let v = _mm512_add_epi32(acc, bias);
+                let v = acc;
                 let full = left >= #lanes_l;
                 let mask = if full { 0xFFFF } else { ((1u32 << left) - 1) as __mmask16 };
                 match ep.mode {
@@ -192,7 +200,7 @@ fn emit(k: usize, s: usize) -> TokenStream {
                     }
                 }
             };
-            // Steps of UNROLL vectors of 16 outputs: independent sums hide the multiply-add
+            // Steps of a few vectors of 16 outputs: independent sums hide the multiply-add
             // latency.
             let (mut oy, mut x) = (0usize, 0usize);
             if table.is_null() {
