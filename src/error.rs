@@ -57,6 +57,12 @@ pub enum Error {
         algorithm: &'static str,
         reason: String,
     },
+    /// No GPU adapter matches the request (or none exists at all).
+    #[error("no GPU adapter: {detail}")]
+    NoGpu { detail: String },
+    /// The GPU device refused or failed an operation (limits, device loss, mapping).
+    #[error("GPU error: {detail}")]
+    Gpu { detail: String },
 }
 
 /// `Result` with convkit's [`Error`].

@@ -35,6 +35,8 @@ pub mod cpu;
 mod epilogue;
 mod error;
 pub mod gemm;
+#[cfg(feature = "gpu")]
+pub mod gpu;
 mod params;
 mod plan;
 mod quant;

@@ -1,0 +1,270 @@
+//! Parity of the wgpu path with the CPU path (feature `gpu`): the same random layers, and
+//! every layer of the suite, run on both and compared by normalised mean square error and a
+//! max-abs bound scaled to the reduction length. Runs on any adapter, a software Vulkan
+//! driver included; without any adapter the tests say so and pass, unless
+//! `CONVKIT_REQUIRE_GPU=1` (set by `.ci/run`, which installs one) makes that a failure.
+#![cfg(feature = "gpu")]
+
+mod common;
+
+use common::{cases, Rng};
+use convkit::gpu::{AdapterChoice, GpuContext, GpuConv1d, GpuConv2d};
+use convkit::{
+    suite, Activation, Conv2d, ConvParams, Error, Layout, Options, Padding, Precision, Workspace,
+};
+
+fn context() -> Option<GpuContext> {
+    match GpuContext::new() {
+        Ok(ctx) => Some(ctx),
+        Err(e) if std::env::var("CONVKIT_REQUIRE_GPU").as_deref() != Ok("1") => {
+            eprintln!("GPU tests skipped: {e}");
+            None
+        }
+        Err(e) => panic!("CONVKIT_REQUIRE_GPU=1 but {e}"),
+    }
+}
+
+struct Layer {
+    params: ConvParams,
+    batch: usize,
+    h: usize,
+    w: usize,
+    bias: bool,
+    residual: bool,
+}
+
+/// The CPU's result (sums of products: `Precision::Exact` keeps Winograd out, whose own
+/// error is documented separately) and the GPU's, on the same data.
+fn both(ctx: &GpuContext, l: &Layer, seed: u64) -> (Vec<f32>, Vec<f32>, usize) {
+    let mut rng = Rng::new(seed);
+    let weights = rng.vec(l.params.weights_len().unwrap());
+    let bias = l.bias.then(|| rng.vec(l.params.out_channels));
+    let options = Options {
+        precision: Precision::Exact,
+        ..Options::default()
+    };
+    let cpu = Conv2d::new(l.params, &weights, bias.as_deref(), options).unwrap();
+    let plan = cpu.plan(l.batch, l.h, l.w).unwrap();
+    let input = rng.vec(plan.input_len());
+    let residual = l.residual.then(|| rng.vec(plan.output_len()));
+    let mut expected = vec![0.0; plan.output_len()];
+    let mut ws = Workspace::new();
+    match &residual {
+        Some(r) => plan.run_with_residual(&input, r, &mut expected, &mut ws),
+        None => plan.run(&input, &mut expected, &mut ws),
+    }
+    .unwrap();
+
+    let gpu = GpuConv2d::new(ctx, l.params, &weights, bias.as_deref()).unwrap();
+    let mut gplan = gpu.plan(l.batch, l.h, l.w).unwrap();
+    let mut got = vec![f32::NAN; plan.output_len()];
+    match &residual {
+        Some(r) => gplan.run_with_residual(&input, r, &mut got),
+        None => gplan.run(&input, &mut got),
+    }
+    .unwrap();
+    (expected, got, plan.geometry().k_len())
+}
+
+/// NMSE ≤ 1e-10, and every output within 4·√K·ε of the data's scale.
+fn assert_parity(expected: &[f32], got: &[f32], k: usize, what: &str) {
+    let (mut err, mut norm, mut worst, mut scale) = (0.0f64, 0.0f64, 0.0f32, 1.0f32);
+    for (&e, &g) in expected.iter().zip(got) {
+        err += ((e - g) as f64).powi(2);
+        norm += (e as f64).powi(2);
+        worst = worst.max((e - g).abs());
+        scale = scale.max(e.abs());
+        assert!(
+            g.is_finite(),
+            "{what}: GPU output {g} where the CPU has {e}"
+        );
+    }
+    let nmse = err / norm.max(f64::MIN_POSITIVE);
+    let bound = 4.0 * (k as f32).sqrt() * f32::EPSILON * scale;
+    assert!(
+        nmse <= 1e-10 && worst <= bound,
+        "{what}: nmse {nmse:.3e} (bound 1e-10), max |diff| {worst:.3e} (bound {bound:.3e})"
+    );
+}
+
+fn random_layer(rng: &mut Rng) -> Layer {
+    let pick = |rng: &mut Rng, n: usize| (rng.next_u64() % n as u64) as usize;
+    loop {
+        let (groups, cin_g, cout_g) = match pick(rng, 3) {
+            0 => (1, 1 + pick(rng, 24), 1 + pick(rng, 70)),
+            1 => (2 + pick(rng, 3), 1 + pick(rng, 6), 1 + pick(rng, 6)),
+            _ => (1 + pick(rng, 40), 1, 1 + pick(rng, 2)), // depthwise, multiplier 1 or 2
+        };
+        let kernel = [1 + pick(rng, 5), 1 + pick(rng, 5)];
+        let padding = match pick(rng, 4) {
+            0 => Padding::Explicit {
+                top: pick(rng, 4),
+                bottom: pick(rng, 4),
+                left: pick(rng, 4),
+                right: pick(rng, 4),
+            },
+            1 => Padding::Same,
+            2 => Padding::SameLower,
+            _ => Padding::Valid,
+        };
+        let activation = [
+            Activation::None,
+            Activation::Relu,
+            Activation::Relu6,
+            Activation::Clamp {
+                min: -0.5,
+                max: 0.25,
+            },
+            Activation::LeakyRelu { alpha: 0.1 },
+            Activation::Silu,
+            Activation::Gelu,
+            Activation::HardSwish,
+            Activation::Sigmoid,
+        ][pick(rng, 9)];
+        let params = ConvParams::conv2d(groups * cin_g, groups * cout_g, kernel)
+            .with_groups(groups)
+            .with_stride([1 + pick(rng, 3), 1 + pick(rng, 3)])
+            .with_dilation([1 + pick(rng, 2), 1 + pick(rng, 2)])
+            .with_padding(padding)
+            .with_layout(if pick(rng, 2) == 0 {
+                Layout::Nchw
+            } else {
+                Layout::Nhwc
+            })
+            .with_activation(activation);
+        let layer = Layer {
+            params,
+            batch: 1 + pick(rng, 2),
+            h: 1 + pick(rng, 20),
+            w: 1 + pick(rng, 20),
+            bias: pick(rng, 2) == 0,
+            residual: pick(rng, 2) == 0,
+        };
+        if params.geometry(layer.batch, layer.h, layer.w).is_ok() {
+            return layer;
+        }
+    }
+}
+
+#[test]
+fn random_layers_match_the_cpu() {
+    let Some(ctx) = context() else { return };
+    eprintln!("GPU adapter: {:?}", ctx.info());
+    let mut rng = Rng::new(0x6770_7521);
+    for case in 0..cases(60) {
+        let l = random_layer(&mut rng);
+        let (expected, got, k) = both(&ctx, &l, case as u64);
+        let what = format!(
+            "case {case}: {:?} batch {} {}x{} bias {} residual {}",
+            l.params, l.batch, l.h, l.w, l.bias, l.residual
+        );
+        assert_parity(&expected, &got, k, &what);
+    }
+}
+
+#[test]
+fn every_suite_layer_matches_the_cpu() {
+    let Some(ctx) = context() else { return };
+    for (i, layer) in suite::builtin().unwrap().into_iter().enumerate() {
+        let l = Layer {
+            params: layer.params.with_activation(Activation::Relu),
+            batch: 1,
+            h: layer.h,
+            w: layer.w,
+            bias: true,
+            residual: i % 2 == 0,
+        };
+        let (expected, got, k) = both(&ctx, &l, i as u64);
+        assert_parity(&expected, &got, k, &layer.name);
+    }
+}
+
+#[test]
+fn layers_chain_on_the_device_without_copies() {
+    let Some(ctx) = context() else { return };
+    let mut rng = Rng::new(7);
+    // A MobileNetV2 block in NHWC: 1x1 expand, 3x3 depthwise, 1x1 project, on device tensors.
+    let p1 = ConvParams::conv2d(8, 24, [1, 1])
+        .with_layout(Layout::Nhwc)
+        .with_activation(Activation::Relu6);
+    let p2 = ConvParams::conv2d(24, 24, [3, 3])
+        .with_groups(24)
+        .with_padding(Padding::Same)
+        .with_layout(Layout::Nhwc)
+        .with_activation(Activation::Relu6);
+    let p3 = ConvParams::conv2d(24, 8, [1, 1]).with_layout(Layout::Nhwc);
+    let ws: Vec<Vec<f32>> = [p1, p2, p3]
+        .iter()
+        .map(|p| rng.vec(p.weights_len().unwrap()))
+        .collect();
+    let input = rng.vec(2 * 9 * 11 * 8);
+
+    let mut cpu_x = input.clone();
+    let mut workspace = Workspace::new();
+    for (p, w) in [p1, p2, p3].iter().zip(&ws) {
+        let conv = Conv2d::new(*p, w, None, Options::default()).unwrap();
+        let plan = conv.plan(2, 9, 11).unwrap();
+        let mut y = vec![0.0; plan.output_len()];
+        plan.run(&cpu_x, &mut y, &mut workspace).unwrap();
+        cpu_x = y;
+    }
+
+    let convs: Vec<GpuConv2d> = [p1, p2, p3]
+        .iter()
+        .zip(&ws)
+        .map(|(p, w)| GpuConv2d::new(&ctx, *p, w, None).unwrap())
+        .collect();
+    let mut x = ctx.upload(&input).unwrap();
+    for conv in &convs {
+        let plan = conv.plan(2, 9, 11).unwrap();
+        let mut y = ctx.tensor(plan.geometry().output_len()).unwrap();
+        plan.run_device(&x, &mut y, None).unwrap();
+        x = y;
+    }
+    let mut got = vec![0.0; x.len()];
+    ctx.download(&x, &mut got).unwrap();
+    assert_eq!(convs[1].kernel_name(), "gpu/depthwise");
+    assert_eq!(convs[0].kernel_name(), "gpu/implicit_gemm_64x64");
+    assert_parity(&cpu_x, &got, 24 * 9, "inverted residual block");
+}
+
+#[test]
+fn conv1d_and_bad_input_are_typed() {
+    let Some(ctx) = context() else { return };
+    let params = ConvParams::conv1d(4, 6, 5).with_stride([1, 2]);
+    let w = Rng::new(3).vec(params.weights_len().unwrap());
+    let conv = GpuConv1d::new(&ctx, params, &w, None).unwrap();
+    let mut plan = conv.plan(1, 40).unwrap();
+    let mut out = vec![0.0; plan.geometry().output_len()];
+    assert!(matches!(
+        plan.run(&[0.0; 3], &mut out),
+        Err(Error::WrongLength { what: "input", .. })
+    ));
+    let input = vec![1.0; plan.geometry().input_len()];
+    assert!(matches!(
+        plan.run(&input, &mut out[1..]),
+        Err(Error::WrongLength { what: "output", .. })
+    ));
+    plan.run(&input, &mut out).unwrap();
+    // All ones in, so each output is the sum of its channel's taps.
+    for (o, &v) in out.iter().enumerate() {
+        let c = o / plan.geometry().ow;
+        let sum: f32 = w[c * 20..(c + 1) * 20].iter().sum();
+        assert!((v - sum).abs() < 1e-5, "output {o}: {v} vs {sum}");
+    }
+    assert!(matches!(
+        GpuConv1d::new(&ctx, ConvParams::conv2d(4, 6, [3, 3]), &[0.0; 216], None),
+        Err(Error::InvalidParameter { .. })
+    ));
+    assert!(matches!(
+        GpuConv2d::new(&ctx, ConvParams::conv2d(4, 6, [3, 3]), &[0.0; 7], None),
+        Err(Error::WrongLength {
+            what: "weights",
+            ..
+        })
+    ));
+    assert!(matches!(
+        GpuContext::with_adapter(AdapterChoice::Name("no such adapter".into())),
+        Err(Error::NoGpu { .. })
+    ));
+}
