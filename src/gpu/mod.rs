@@ -37,6 +37,7 @@ pub struct GpuContext {
     queue: wgpu::Queue,
     info: wgpu::AdapterInfo,
     limits: wgpu::Limits,
+    timestamps: bool,
 }
 
 fn instance() -> wgpu::Instance {
@@ -92,9 +93,16 @@ impl GpuContext {
         let info = adapter.get_info();
         // Everything the adapter allows: large layers need more than the default 128 MiB binding.
         let limits = adapter.limits();
+        // Timestamp queries time the dispatch itself where the adapter has them.
+        let timestamps = adapter.features().contains(wgpu::Features::TIMESTAMP_QUERY);
         let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
             label: Some("convkit"),
             required_limits: limits.clone(),
+            required_features: if timestamps {
+                wgpu::Features::TIMESTAMP_QUERY
+            } else {
+                wgpu::Features::empty()
+            },
             ..Default::default()
         }))
         .map_err(|e| Error::NoGpu {
@@ -105,12 +113,35 @@ impl GpuContext {
             queue,
             info,
             limits,
+            timestamps,
         })
     }
 
     /// The adapter this context runs on (name, backend, driver).
     pub fn info(&self) -> &wgpu::AdapterInfo {
         &self.info
+    }
+
+    /// How [`GpuPlan::time_device`] measures on this adapter.
+    pub fn timing_source(&self) -> TimingSource {
+        if self.timestamps {
+            TimingSource::Timestamps
+        } else {
+            TimingSource::WallClock
+        }
+    }
+
+    /// Blocks until the work queued so far has finished.
+    pub fn wait(&self) -> Result<()> {
+        self.device
+            .poll(wgpu::PollType::Wait {
+                submission_index: None,
+                timeout: None,
+            })
+            .map(|_| ())
+            .map_err(|e| Error::Gpu {
+                detail: format!("waiting for the device: {e}"),
+            })
     }
 
     /// The wgpu device, for callers that bring their own buffers and passes.
@@ -242,14 +273,7 @@ impl GpuContext {
         slice.map_async(wgpu::MapMode::Read, move |r| {
             let _ = tx.send(r);
         });
-        self.device
-            .poll(wgpu::PollType::Wait {
-                submission_index: None,
-                timeout: None,
-            })
-            .map_err(|e| Error::Gpu {
-                detail: format!("waiting for the device: {e}"),
-            })?;
+        self.wait()?;
         match rx.recv() {
             Ok(Ok(())) => {}
             Ok(Err(e)) => {
@@ -529,6 +553,25 @@ impl GpuConv2d {
     }
 }
 
+/// How a GPU time was measured.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TimingSource {
+    /// Timestamp queries around the compute pass: the device's own time for the dispatch.
+    Timestamps,
+    /// Wall time around submit-and-wait (the adapter has no timestamp queries): includes the
+    /// submission's overhead.
+    WallClock,
+}
+
+impl TimingSource {
+    pub fn name(self) -> &'static str {
+        match self {
+            TimingSource::Timestamps => "timestamp queries",
+            TimingSource::WallClock => "wall time around submit and wait",
+        }
+    }
+}
+
 /// Buffers for runs on host slices, made at the first such run and kept.
 #[derive(Debug)]
 struct HostBuffers {
@@ -568,9 +611,56 @@ impl GpuPlan<'_> {
         output: &mut GpuTensor,
         residual: Option<&GpuTensor>,
     ) -> Result<()> {
-        let encoder = self.encode(input, output, residual)?;
+        let encoder = self.encode(input, output, residual, None)?;
         self.conv.ctx.queue.submit([encoder.finish()]);
         Ok(())
+    }
+
+    /// Runs once on device tensors and returns the seconds the dispatch took, measured as
+    /// [`GpuContext::timing_source`] says.
+    pub fn time_device(
+        &self,
+        input: &GpuTensor,
+        output: &mut GpuTensor,
+        residual: Option<&GpuTensor>,
+    ) -> Result<(f64, TimingSource)> {
+        let ctx = &self.conv.ctx;
+        ctx.wait()?;
+        if !ctx.timestamps {
+            let start = std::time::Instant::now();
+            self.run_device(input, output, residual)?;
+            ctx.wait()?;
+            return Ok((start.elapsed().as_secs_f64(), TimingSource::WallClock));
+        }
+        let (queries, resolved, readback) = ctx.scoped("timestamp queries", || {
+            let queries = ctx.device.create_query_set(&wgpu::QuerySetDescriptor {
+                label: Some("dispatch time"),
+                ty: wgpu::QueryType::Timestamp,
+                count: 2,
+            });
+            let buffer = |usage| {
+                ctx.device.create_buffer(&wgpu::BufferDescriptor {
+                    label: Some("timestamps"),
+                    size: 16,
+                    usage,
+                    mapped_at_creation: false,
+                })
+            };
+            (
+                queries,
+                buffer(wgpu::BufferUsages::QUERY_RESOLVE | wgpu::BufferUsages::COPY_SRC),
+                buffer(wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST),
+            )
+        })?;
+        let mut encoder = self.encode(input, output, residual, Some(&queries))?;
+        encoder.resolve_query_set(&queries, 0..2, &resolved, 0);
+        encoder.copy_buffer_to_buffer(&resolved, 0, &readback, 0, 16);
+        ctx.queue.submit([encoder.finish()]);
+        let mut ticks = [0.0f32; 4];
+        ctx.read(&readback, &mut ticks)?;
+        let [begin, end]: [u64; 2] = bytemuck::cast(ticks);
+        let ns = end.saturating_sub(begin) as f64 * ctx.queue.get_timestamp_period() as f64;
+        Ok((ns * 1e-9, TimingSource::Timestamps))
     }
 
     fn encode(
@@ -578,6 +668,7 @@ impl GpuPlan<'_> {
         input: &GpuTensor,
         output: &GpuTensor,
         residual: Option<&GpuTensor>,
+        timestamps: Option<&wgpu::QuerySet>,
     ) -> Result<wgpu::CommandEncoder> {
         let g = &self.geometry;
         check_len("input", g.input_len(), input.len)?;
@@ -616,7 +707,16 @@ impl GpuPlan<'_> {
             });
             let mut encoder = ctx.device.create_command_encoder(&Default::default());
             {
-                let mut pass = encoder.begin_compute_pass(&Default::default());
+                let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                    label: Some("convolution"),
+                    timestamp_writes: timestamps.map(|query_set| {
+                        wgpu::ComputePassTimestampWrites {
+                            query_set,
+                            beginning_of_pass_write_index: Some(0),
+                            end_of_pass_write_index: Some(1),
+                        }
+                    }),
+                });
                 pass.set_pipeline(&conv.pipeline);
                 pass.set_bind_group(0, &bind_group, &[]);
                 let [x, y, z] = self.workgroups;
@@ -677,6 +777,7 @@ impl GpuPlan<'_> {
                 &host.input,
                 &host.output,
                 residual.and(host.residual.as_ref()),
+                None,
             )
             .and_then(|mut encoder| {
                 encoder.copy_buffer_to_buffer(

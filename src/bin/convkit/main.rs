@@ -4,6 +4,8 @@
 mod args;
 mod bench;
 mod check;
+#[cfg(feature = "gpu")]
+mod gpu;
 mod layers;
 mod peak;
 mod qcli;
@@ -24,6 +26,13 @@ Usage:
                 [--dtype f32|u8|i8] [--peak GFLOPS] [--csv]
       Check each layer once against the reference, then time it (median of --reps,
       default 7, repetitions of >= 20 ms each). --dtype u8|i8: quantized (GOP/s).
+  convkit bench --device gpu [--adapter NAME] [--batch N] [--layers FILE] [--only NAME,...]
+                [--layout nchw|nhwc] [--reps N] [--csv]
+      Each layer on the GPU (feature `gpu`): checked against the CPU path, then the median
+      device time of --reps dispatches (timestamp queries, else wall time around
+      submit-and-wait; the tool says which). --batch overrides the suite's batch.
+  convkit check --device gpu [--adapter NAME] [--layers FILE] [--only NAME,...] [--layout L]
+      Each layer on the GPU against the reference.
   convkit check [--layers FILE] [--only NAME,...] [--threads N] [--layout nchw|nhwc]
                 [--dtype f32|u8|i8]
       Every layer with every algorithm at every ISA level of this CPU (with --dtype u8|i8:
@@ -68,17 +77,26 @@ fn main() -> ExitCode {
         println!("{USAGE}");
         return ExitCode::from(2);
     };
+    let (on_gpu, rest) = match device(rest) {
+        Ok(split) => split,
+        Err(e) => return report(Err(e)),
+    };
     let result = match command.as_str() {
-        "info" => info(rest),
-        "bench" => bench::main(rest),
-        "check" => check::main(rest),
-        "run" => run::main(rest),
+        "bench" | "check" if on_gpu => gpu_command(command, &rest),
+        "info" => info(&rest),
+        "bench" => bench::main(&rest),
+        "check" => check::main(&rest),
+        "run" => run::main(&rest),
         "help" => {
             println!("{USAGE}");
             Ok(true)
         }
         other => Err(CliError::Usage(format!("unknown command {other:?}"))),
     };
+    report(result)
+}
+
+fn report(result: CliResult<bool>) -> ExitCode {
     match result {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::FAILURE,
@@ -91,6 +109,52 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// Takes `--device cpu|gpu` out of the arguments: true for gpu.
+fn device(args: &[String]) -> CliResult<(bool, Vec<String>)> {
+    let mut rest = Vec::with_capacity(args.len());
+    let mut device = None;
+    let mut it = args.iter();
+    while let Some(arg) = it.next() {
+        let value = if arg == "--device" {
+            it.next()
+                .cloned()
+                .ok_or_else(|| CliError::Usage("--device needs a value".into()))?
+        } else if let Some(v) = arg.strip_prefix("--device=") {
+            v.to_string()
+        } else {
+            rest.push(arg.clone());
+            continue;
+        };
+        if device.replace(value).is_some() {
+            return Err(CliError::Usage("--device given twice".into()));
+        }
+    }
+    match device.as_deref() {
+        None | Some("cpu") => Ok((false, rest)),
+        Some("gpu") => Ok((true, rest)),
+        Some(other) => Err(CliError::Usage(format!(
+            "--device {other:?}: expected cpu or gpu"
+        ))),
+    }
+}
+
+#[cfg(feature = "gpu")]
+fn gpu_command(command: &str, args: &[String]) -> CliResult<bool> {
+    if command == "bench" {
+        gpu::bench(args)
+    } else {
+        gpu::check(args)
+    }
+}
+
+#[cfg(not(feature = "gpu"))]
+fn gpu_command(_: &str, _: &[String]) -> CliResult<bool> {
+    Err(CliError::Failed(
+        "this convkit was built without the GPU path: cargo run --release --features gpu -- ..."
+            .into(),
+    ))
 }
 
 /// Builds the global rayon pool: `None` means 1 thread, `Some(0)` one per core. Returns the
@@ -145,6 +209,10 @@ fn info(args: &[String]) -> CliResult<bool> {
         "algorithms:   {}",
         Algorithm::ALL.map(|a| a.name()).join(", ")
     );
+    #[cfg(feature = "gpu")]
+    gpu::print_adapters();
+    #[cfg(not(feature = "gpu"))]
+    println!("gpu:          not built (feature `gpu`)");
     println!("kernels:");
     for isa in Isa::ALL {
         let names = convkit::cpu::kernel_names(isa);
