@@ -264,6 +264,16 @@ fn conv1d_and_bad_input_are_typed() {
         })
     ));
     assert!(matches!(
+        plan.run_with_residual(&input, &[0.0; 2], &mut out),
+        Err(Error::WrongLength {
+            what: "residual",
+            ..
+        })
+    ));
+    // Larger than any storage binding: refused at plan time, before any buffer exists.
+    let big = GpuConv2d::new(&ctx, ConvParams::conv2d(64, 8, [1, 1]), &[0.0; 512], None).unwrap();
+    assert!(matches!(big.plan(1024, 1024, 1024), Err(Error::Gpu { .. })));
+    assert!(matches!(
         GpuContext::with_adapter(AdapterChoice::Name("no such adapter".into())),
         Err(Error::NoGpu { .. })
     ));

@@ -11,10 +11,20 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3
     if (idx >= total) {
         return;
     }
-    // idx runs over (b, c, oy, ox) in NCHW order whatever the layout; `store` places it.
-    let ox = idx % d.ow;
-    let oy = (idx / d.ow) % d.oh;
-    let c = (idx / (d.ow * d.oh)) % d.c_out;
+    // idx runs over the outputs in memory order, so neighbouring threads read neighbouring
+    // input words: (b, c, oy, ox) for NCHW, (b, oy, ox, c) for NHWC.
+    var c: u32;
+    var ox: u32;
+    var oy: u32;
+    if (d.nhwc == 1u) {
+        c = idx % d.c_out;
+        ox = (idx / d.c_out) % d.ow;
+        oy = (idx / (d.c_out * d.ow)) % d.oh;
+    } else {
+        ox = idx % d.ow;
+        oy = (idx / d.ow) % d.oh;
+        c = (idx / (d.ow * d.oh)) % d.c_out;
+    }
     let b = idx / (d.ow * d.oh * d.c_out);
     let ci = c / d.cout_g;
     var sum = 0.0;

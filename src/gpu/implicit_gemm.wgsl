@@ -8,7 +8,7 @@
 const TILE: u32 = 64u;
 const BK: u32 = 16u;
 
-var<workgroup> a_tile: array<f32, 1024>; // [k][m]
+var<workgroup> a_tile: array<f32, 1040>; // [k][m], rows of 65 so the transposing stores spread over banks
 var<workgroup> b_tile: array<f32, 1024>; // [k][n]
 
 @compute @workgroup_size(16, 16, 1)
@@ -22,48 +22,54 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid:
     let n_len = d.batch * pixels;
     let t = lid.y * 16u + lid.x;
 
+    // This thread loads A row m0 + t / 4 at k offsets 4 (t % 4) .. +3 (a weight row is
+    // contiguous in k, so neighbours read neighbouring words), and B column n0 + t % 64 at k
+    // offsets t / 64 + 4 j: its output pixel is decoded once, not once per tap.
+    let a_m = t / 4u;
+    let a_k = (t % 4u) * 4u;
+    let a_valid = m0 + a_m < d.cout_g;
+    let a_row = (g * d.cout_g + m0 + a_m) * k_len;
+    let b_col = t % TILE;
+    let b_k = t / TILE;
+    let n = n0 + b_col;
+    let b_valid = n < n_len;
+    let b_img = n / pixels;
+    let p = n % pixels;
+    let iy0 = i32((p / d.ow) * d.sh) - i32(d.pad_top);
+    let ix0 = i32((p % d.ow) * d.sw) - i32(d.pad_left);
+
     var acc: array<f32, 16>;
     for (var i = 0u; i < 16u; i++) {
         acc[i] = 0.0;
     }
 
     for (var k0 = 0u; k0 < k_len; k0 += BK) {
-        // Each thread loads 4 of A's 1024 and 4 of B's: element e = t + 256 j is (k = e / 64, col = e % 64).
         for (var j = 0u; j < 4u; j++) {
-            let e = t + 256u * j;
-            let kk = e / TILE;
-            let col = e % TILE;
-            let k = k0 + kk;
-            let m = m0 + col;
+            let ka = a_k + j;
             var a = 0.0;
-            if (k < k_len && m < d.cout_g) {
-                a = weights[(g * d.cout_g + m) * k_len + k];
+            if (a_valid && k0 + ka < k_len) {
+                a = weights[a_row + k0 + ka];
             }
-            a_tile[kk * TILE + col] = a;
+            a_tile[ka * 65u + a_m] = a;
 
-            let n = n0 + col;
+            let kb = b_k + 4u * j;
+            let k = k0 + kb;
             var bv = 0.0;
-            if (k < k_len && n < n_len) {
+            if (b_valid && k < k_len) {
                 let ci = k / taps;
                 let r = k % taps;
-                let ky = r / d.kw;
-                let kx = r % d.kw;
-                let b = n / pixels;
-                let p = n % pixels;
-                let oy = p / d.ow;
-                let ox = p % d.ow;
-                let iy = i32(oy * d.sh + ky * d.dh) - i32(d.pad_top);
-                let ix = i32(ox * d.sw + kx * d.dw) - i32(d.pad_left);
-                bv = load_input(b, g * d.cin_g + ci, iy, ix);
+                let iy = iy0 + i32((r / d.kw) * d.dh);
+                let ix = ix0 + i32((r % d.kw) * d.dw);
+                bv = load_input(b_img, g * d.cin_g + ci, iy, ix);
             }
-            b_tile[kk * TILE + col] = bv;
+            b_tile[kb * TILE + b_col] = bv;
         }
         workgroupBarrier();
         for (var kk = 0u; kk < BK; kk++) {
             var av: array<f32, 4>;
             var bw: array<f32, 4>;
             for (var i = 0u; i < 4u; i++) {
-                av[i] = a_tile[kk * TILE + lid.y + 16u * i];
+                av[i] = a_tile[kk * 65u + lid.y + 16u * i];
                 bw[i] = b_tile[kk * TILE + lid.x + 16u * i];
             }
             for (var i = 0u; i < 4u; i++) {
