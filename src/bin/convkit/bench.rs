@@ -107,14 +107,16 @@ pub fn main(args: &[String]) -> CliResult<bool> {
             "layout",
             "peak",
             "dtype",
+            "batch",
         ],
         &["csv"],
     )?;
-    let layers = layers::load(
+    let mut layers = layers::load(
         flags.get("layers"),
         flags.get("only"),
         flags.parsed("layout")?,
     )?;
+    layers::override_batch(&mut layers, flags.parsed("batch")?)?;
 
     let reps: usize = flags.parsed("reps")?.unwrap_or(7);
     if reps == 0 {

@@ -1,6 +1,6 @@
 //! `convkit bench|check --device gpu` and the adapter list of `convkit info` (feature `gpu`).
 
-use crate::args::{CliError, CliResult, Flags};
+use crate::args::{CliResult, Flags};
 use crate::layers::{self, Prepared};
 use crate::setup_threads;
 use convkit::gpu::{AdapterChoice, GpuContext, GpuConv2d};
@@ -96,12 +96,7 @@ pub fn bench(args: &[String]) -> CliResult<bool> {
         flags.get("only"),
         flags.parsed("layout")?,
     )?;
-    if let Some(batch) = flags.parsed::<usize>("batch")? {
-        if batch == 0 {
-            return Err(CliError::Usage("--batch must be at least 1".into()));
-        }
-        layers.iter_mut().for_each(|l| l.batch = batch);
-    }
+    layers::override_batch(&mut layers, flags.parsed("batch")?)?;
     let reps: usize = flags.parsed("reps")?.unwrap_or(7).max(1);
     let csv = flags.has("csv");
     let (threads, _) = setup_threads(Some(0))?;

@@ -64,6 +64,18 @@ pub fn load(
         .collect())
 }
 
+/// `--batch N`: runs every layer at batch N instead of the suite's.
+pub fn override_batch(layers: &mut [Layer], batch: Option<usize>) -> CliResult<()> {
+    match batch {
+        Some(0) => Err(CliError::Usage("--batch must be at least 1".into())),
+        Some(n) => {
+            layers.iter_mut().for_each(|l| l.batch = n);
+            Ok(())
+        }
+        None => Ok(()),
+    }
+}
+
 /// splitmix64: tiny, fast and good enough for test data.
 struct SplitMix64(u64);
 

@@ -23,9 +23,10 @@ Usage:
       CPU, ISA levels, threads, kernels and algorithms.
   convkit bench [--layers FILE] [--only NAME,...] [--threads N] [--isa LEVEL]
                 [--layout nchw|nhwc] [--algorithm NAME] [--kernel NAME] [--precision P] [--reps N]
-                [--dtype f32|u8|i8] [--peak GFLOPS] [--csv]
+                [--dtype f32|u8|i8] [--batch N] [--peak GFLOPS] [--csv]
       Check each layer once against the reference, then time it (median of --reps,
       default 7, repetitions of >= 20 ms each). --dtype u8|i8: quantized (GOP/s).
+      --batch N runs every layer at batch N instead of the suite's.
   convkit bench --device gpu [--adapter NAME] [--batch N] [--layers FILE] [--only NAME,...]
                 [--layout nchw|nhwc] [--reps N] [--csv]
       Each layer on the GPU (feature `gpu`): checked against the CPU path, then the median
