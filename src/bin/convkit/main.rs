@@ -84,6 +84,9 @@ fn main() -> ExitCode {
     };
     let result = match command.as_str() {
         "bench" | "check" if on_gpu => gpu_command(command, &rest),
+        _ if on_gpu => Err(CliError::Usage(
+            "--device gpu applies to bench and check".into(),
+        )),
         "info" => info(&rest),
         "bench" => bench::main(&rest),
         "check" => check::main(&rest),
