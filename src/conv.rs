@@ -78,23 +78,7 @@ impl Conv2d {
         options: Options,
     ) -> Result<Self> {
         params.validate()?;
-        let expected = params.weights_len()?;
-        if weights.len() != expected {
-            return Err(Error::WrongLength {
-                what: "weights",
-                expected,
-                got: weights.len(),
-            });
-        }
-        if let Some(b) = bias {
-            if b.len() != params.out_channels {
-                return Err(Error::WrongLength {
-                    what: "bias",
-                    expected: params.out_channels,
-                    got: b.len(),
-                });
-            }
-        }
+        params.check_weights_and_bias(weights.len(), bias.map(|b| b.len()))?;
         let forced = options.kernel.map(crate::cpu::find_kernel).transpose()?;
         let isa = match (options.isa, forced) {
             (Some(isa), Some(k)) if isa != k.isa => {

@@ -65,5 +65,20 @@ pub enum Error {
     Gpu { detail: String },
 }
 
+/// `Ok` when every `(what, expected, got)` matches; a `got` of `None` (an absent optional
+/// tensor) is not checked. Else `WrongLength` for the first that does not.
+pub(crate) fn check_lengths(checks: &[(&'static str, usize, Option<usize>)]) -> Result<()> {
+    for &(what, expected, got) in checks {
+        if let Some(got) = got.filter(|&g| g != expected) {
+            return Err(Error::WrongLength {
+                what,
+                expected,
+                got,
+            });
+        }
+    }
+    Ok(())
+}
+
 /// `Result` with convkit's [`Error`].
 pub type Result<T> = std::result::Result<T, Error>;

@@ -166,6 +166,15 @@ impl ConvParams {
         )
     }
 
+    /// `WrongLength` unless `weights` is [`ConvParams::weights_len`] and `bias`, if given,
+    /// `out_channels`.
+    pub(crate) fn check_weights_and_bias(&self, weights: usize, bias: Option<usize>) -> Result<()> {
+        crate::error::check_lengths(&[
+            ("weights", self.weights_len()?, Some(weights)),
+            ("bias", self.out_channels, bias),
+        ])
+    }
+
     /// Checks everything that does not depend on the input size.
     pub fn validate(&self) -> Result<()> {
         let nonzero = [

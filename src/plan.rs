@@ -7,7 +7,7 @@ use crate::algo::winograd::WinoPlan;
 use crate::algo::Algorithm;
 use crate::conv::{ConvInner, Packed};
 use crate::params::Geometry;
-use crate::{Error, Layout, Result, Workspace};
+use crate::{Layout, Result, Workspace};
 use std::sync::Arc;
 
 pub(crate) enum AlgoPlan {
@@ -130,17 +130,7 @@ impl Plan {
             ("output", self.output_len(), Some(output.len())),
             ("residual", self.output_len(), residual.map(|r| r.len())),
         ];
-        for (what, expected, got) in checks {
-            if let Some(got) = got {
-                if got != expected {
-                    return Err(Error::WrongLength {
-                        what,
-                        expected,
-                        got,
-                    });
-                }
-            }
-        }
+        crate::error::check_lengths(&checks)?;
         let scratch = ws.floats(self.workspace_bytes() / 4)?;
         let c = &*self.conv;
         let bias = c.bias.as_deref();

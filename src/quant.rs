@@ -215,24 +215,8 @@ impl QConv2d {
         options: Options,
     ) -> Result<Self> {
         params.validate()?;
-        let expected = params.weights_len()?;
-        if weights.len() != expected {
-            return Err(Error::WrongLength {
-                what: "weights",
-                expected,
-                got: weights.len(),
-            });
-        }
+        params.check_weights_and_bias(weights.len(), bias.map(|b| b.len()))?;
         let cout = params.out_channels;
-        if let Some(b) = bias {
-            if b.len() != cout {
-                return Err(Error::WrongLength {
-                    what: "bias",
-                    expected: cout,
-                    got: b.len(),
-                });
-            }
-        }
         check_scale("input scale", quant.input_scale)?;
         check_zero_point("input zero point", quant.input_type, quant.input_zero_point)?;
         let ws = &quant.weight_scales;
@@ -538,17 +522,7 @@ impl QPlan {
             ("output", self.output_len(), Some(output.len())),
             ("residual", self.output_len(), residual.map(|r| r.len())),
         ];
-        for (what, expected, got) in checks {
-            if let Some(got) = got {
-                if got != expected {
-                    return Err(Error::WrongLength {
-                        what,
-                        expected,
-                        got,
-                    });
-                }
-            }
-        }
+        crate::error::check_lengths(&checks)?;
         let scratch = ws.floats(self.workspace_bytes().div_ceil(4))?;
         let flip = if q.input_type == QuantType::I8 {
             0x80

@@ -3,7 +3,7 @@
 //! `convkit bench`'s error column.
 
 use crate::params::Geometry;
-use crate::{ConvParams, Error, Layout, Result};
+use crate::{ConvParams, Layout, Result};
 
 /// The reference result, with what each output's rounding error can be measured against.
 pub struct Reference {
@@ -43,22 +43,12 @@ pub fn conv(
     residual: Option<&[f32]>,
 ) -> Result<Reference> {
     let g: Geometry = params.geometry(batch, in_h, in_w)?;
-    for (what, expected, got) in [
+    crate::error::check_lengths(&[
         ("input", g.input_len(), Some(input.len())),
         ("weights", params.weights_len()?, Some(weights.len())),
         ("bias", g.c_out, bias.map(|b| b.len())),
         ("residual", g.output_len(), residual.map(|r| r.len())),
-    ] {
-        if let Some(got) = got {
-            if got != expected {
-                return Err(Error::WrongLength {
-                    what,
-                    expected,
-                    got,
-                });
-            }
-        }
-    }
+    ])?;
     let (cin_g, cout_g) = (g.cin_g(), g.cout_g());
     let mut values = vec![0.0; g.output_len()];
     let mut magnitude = vec![0.0; g.output_len()];
@@ -199,21 +189,11 @@ pub fn qconv_sums<T: Copy + Into<i64>>(
     bias: Option<&[i32]>,
 ) -> Result<Vec<i64>> {
     let g: Geometry = params.geometry(batch, in_h, in_w)?;
-    for (what, expected, got) in [
+    crate::error::check_lengths(&[
         ("input", g.input_len(), Some(input.len())),
         ("weights", params.weights_len()?, Some(weights.len())),
         ("bias", g.c_out, bias.map(|b| b.len())),
-    ] {
-        if let Some(got) = got {
-            if got != expected {
-                return Err(Error::WrongLength {
-                    what,
-                    expected,
-                    got,
-                });
-            }
-        }
-    }
+    ])?;
     let (cin_g, cout_g) = (g.cin_g(), g.cout_g());
     let mut out = vec![0i64; g.output_len()];
     for n in 0..g.batch {

@@ -3,116 +3,11 @@
 
 mod common;
 
-use common::{cases, Rng};
+use common::{case, cases, Case, Rng};
 use convkit::{
-    reference, Activation, Algorithm, Conv2d, ConvParams, Error, Isa, Layout, Options, Padding,
-    Workspace,
+    reference, Algorithm, Conv2d, ConvParams, Error, Isa, Layout, Options, Padding, Workspace,
 };
 use proptest::prelude::*;
-
-#[derive(Clone, Debug)]
-struct Case {
-    params: ConvParams,
-    batch: usize,
-    h: usize,
-    w: usize,
-    bias: bool,
-    residual: bool,
-    seed: u64,
-}
-
-fn activation() -> impl Strategy<Value = Activation> {
-    prop_oneof![
-        Just(Activation::None),
-        Just(Activation::Relu),
-        Just(Activation::Relu6),
-        Just(Activation::Clamp {
-            min: -0.5,
-            max: 0.25
-        }),
-        Just(Activation::LeakyRelu { alpha: 0.1 }),
-        Just(Activation::Silu),
-        Just(Activation::Gelu),
-        Just(Activation::HardSwish),
-        Just(Activation::Sigmoid),
-    ]
-}
-
-fn padding() -> impl Strategy<Value = Padding> {
-    prop_oneof![
-        (0usize..4, 0usize..4, 0usize..4, 0usize..4).prop_map(|(top, bottom, left, right)| {
-            Padding::Explicit {
-                top,
-                bottom,
-                left,
-                right,
-            }
-        }),
-        Just(Padding::Same),
-        Just(Padding::SameLower),
-        Just(Padding::Valid),
-    ]
-}
-
-/// Small shapes of every kind; `scale` widens channels and images so that K-blocks, M-blocks
-/// and N-blocks of the GEMM are crossed too.
-fn case(scale: usize) -> impl Strategy<Value = Case> {
-    (
-        (1usize..4, 1usize..6 * scale, 1usize..6 * scale, 0usize..3),
-        (
-            1usize..5,
-            1usize..5,
-            1usize..4,
-            1usize..4,
-            1usize..3,
-            1usize..3,
-        ),
-        (
-            padding(),
-            prop_oneof![Just(Layout::Nchw), Just(Layout::Nhwc)],
-            activation(),
-        ),
-        (
-            1usize..3,
-            1usize..10 * scale,
-            1usize..10 * scale,
-            any::<bool>(),
-            any::<bool>(),
-            any::<u64>(),
-        ),
-    )
-        .prop_map(
-            |(
-                (groups, cin_g, cout_g, mult),
-                (kh, kw, sh, sw, dh, dw),
-                (padding, layout, act),
-                (batch, h, w, bias, residual, seed),
-            )| {
-                // One in three cases is depthwise (groups == in_channels) with a multiplier.
-                let (groups, cin_g, cout_g) = if mult > 0 {
-                    (groups * cin_g, 1, mult)
-                } else {
-                    (groups, cin_g, cout_g)
-                };
-                let params = ConvParams::conv2d(groups * cin_g, groups * cout_g, [kh, kw])
-                    .with_groups(groups)
-                    .with_stride([sh, sw])
-                    .with_dilation([dh, dw])
-                    .with_padding(padding)
-                    .with_layout(layout)
-                    .with_activation(act);
-                Case {
-                    params,
-                    batch,
-                    h,
-                    w,
-                    bias,
-                    residual,
-                    seed,
-                }
-            },
-        )
-}
 
 /// Runs `case` with every algorithm, ISA and thread count and compares with the reference.
 fn check(case: &Case) -> Result<(), TestCaseError> {

@@ -7,36 +7,36 @@
 
 mod common;
 
-use common::{cases, Rng};
+use common::{case, cases, Case, Rng};
 use convkit::gpu::{AdapterChoice, GpuContext, GpuConv1d, GpuConv2d};
 use convkit::{
     suite, Activation, Conv2d, ConvParams, Error, Layout, Options, Padding, Precision, Workspace,
 };
+use proptest::prelude::*;
+use std::sync::OnceLock;
 
-fn context() -> Option<GpuContext> {
-    match GpuContext::new() {
-        Ok(ctx) => Some(ctx),
-        Err(e) if std::env::var("CONVKIT_REQUIRE_GPU").as_deref() != Ok("1") => {
-            eprintln!("GPU tests skipped: {e}");
-            None
-        }
-        Err(e) => panic!("CONVKIT_REQUIRE_GPU=1 but {e}"),
-    }
-}
-
-struct Layer {
-    params: ConvParams,
-    batch: usize,
-    h: usize,
-    w: usize,
-    bias: bool,
-    residual: bool,
+/// One device for every test (making one per case would dominate on a software driver).
+fn context() -> Option<&'static GpuContext> {
+    static CONTEXT: OnceLock<Option<GpuContext>> = OnceLock::new();
+    CONTEXT
+        .get_or_init(|| match GpuContext::new() {
+            Ok(ctx) => {
+                eprintln!("GPU adapter: {:?}", ctx.info());
+                Some(ctx)
+            }
+            Err(e) if std::env::var("CONVKIT_REQUIRE_GPU").as_deref() != Ok("1") => {
+                eprintln!("GPU tests skipped: {e}");
+                None
+            }
+            Err(e) => panic!("CONVKIT_REQUIRE_GPU=1 but {e}"),
+        })
+        .as_ref()
 }
 
 /// The CPU's result (sums of products: `Precision::Exact` keeps Winograd out, whose own
 /// error is documented separately) and the GPU's, on the same data.
-fn both(ctx: &GpuContext, l: &Layer, seed: u64) -> (Vec<f32>, Vec<f32>, usize) {
-    let mut rng = Rng::new(seed);
+fn both(ctx: &GpuContext, l: &Case) -> (Vec<f32>, Vec<f32>, usize) {
+    let mut rng = Rng::new(l.seed);
     let weights = rng.vec(l.params.weights_len().unwrap());
     let bias = l.bias.then(|| rng.vec(l.params.out_channels));
     let options = Options {
@@ -87,78 +87,16 @@ fn assert_parity(expected: &[f32], got: &[f32], k: usize, what: &str) {
     );
 }
 
-fn random_layer(rng: &mut Rng) -> Layer {
-    let pick = |rng: &mut Rng, n: usize| (rng.next_u64() % n as u64) as usize;
-    loop {
-        let (groups, cin_g, cout_g) = match pick(rng, 3) {
-            0 => (1, 1 + pick(rng, 24), 1 + pick(rng, 70)),
-            1 => (2 + pick(rng, 3), 1 + pick(rng, 6), 1 + pick(rng, 6)),
-            _ => (1 + pick(rng, 40), 1, 1 + pick(rng, 2)), // depthwise, multiplier 1 or 2
-        };
-        let kernel = [1 + pick(rng, 5), 1 + pick(rng, 5)];
-        let padding = match pick(rng, 4) {
-            0 => Padding::Explicit {
-                top: pick(rng, 4),
-                bottom: pick(rng, 4),
-                left: pick(rng, 4),
-                right: pick(rng, 4),
-            },
-            1 => Padding::Same,
-            2 => Padding::SameLower,
-            _ => Padding::Valid,
-        };
-        let activation = [
-            Activation::None,
-            Activation::Relu,
-            Activation::Relu6,
-            Activation::Clamp {
-                min: -0.5,
-                max: 0.25,
-            },
-            Activation::LeakyRelu { alpha: 0.1 },
-            Activation::Silu,
-            Activation::Gelu,
-            Activation::HardSwish,
-            Activation::Sigmoid,
-        ][pick(rng, 9)];
-        let params = ConvParams::conv2d(groups * cin_g, groups * cout_g, kernel)
-            .with_groups(groups)
-            .with_stride([1 + pick(rng, 3), 1 + pick(rng, 3)])
-            .with_dilation([1 + pick(rng, 2), 1 + pick(rng, 2)])
-            .with_padding(padding)
-            .with_layout(if pick(rng, 2) == 0 {
-                Layout::Nchw
-            } else {
-                Layout::Nhwc
-            })
-            .with_activation(activation);
-        let layer = Layer {
-            params,
-            batch: 1 + pick(rng, 2),
-            h: 1 + pick(rng, 20),
-            w: 1 + pick(rng, 20),
-            bias: pick(rng, 2) == 0,
-            residual: pick(rng, 2) == 0,
-        };
-        if params.geometry(layer.batch, layer.h, layer.w).is_ok() {
-            return layer;
-        }
-    }
-}
-
-#[test]
-fn random_layers_match_the_cpu() {
-    let Some(ctx) = context() else { return };
-    eprintln!("GPU adapter: {:?}", ctx.info());
-    let mut rng = Rng::new(0x6770_7521);
-    for case in 0..cases(60) {
-        let l = random_layer(&mut rng);
-        let (expected, got, k) = both(&ctx, &l, case as u64);
-        let what = format!(
-            "case {case}: {:?} batch {} {}x{} bias {} residual {}",
-            l.params, l.batch, l.h, l.w, l.bias, l.residual
-        );
-        assert_parity(&expected, &got, k, &what);
+proptest! {
+    #![proptest_config(ProptestConfig { cases: cases(60), ..ProptestConfig::default() })]
+    /// The property tests' shapes (dense, grouped, depthwise with multipliers, every padding,
+    /// stride, dilation, layout and activation, bias and residual or not).
+    #[test]
+    fn random_layers_match_the_cpu(l in case(3)) {
+        let Some(ctx) = context() else { return Ok(()) };
+        prop_assume!(l.params.geometry(l.batch, l.h, l.w).is_ok());
+        let (expected, got, k) = both(ctx, &l);
+        assert_parity(&expected, &got, k, &format!("{l:?}"));
     }
 }
 
@@ -166,15 +104,16 @@ fn random_layers_match_the_cpu() {
 fn every_suite_layer_matches_the_cpu() {
     let Some(ctx) = context() else { return };
     for (i, layer) in suite::builtin().unwrap().into_iter().enumerate() {
-        let l = Layer {
+        let l = Case {
             params: layer.params.with_activation(Activation::Relu),
             batch: 1,
             h: layer.h,
             w: layer.w,
             bias: true,
             residual: i % 2 == 0,
+            seed: i as u64,
         };
-        let (expected, got, k) = both(&ctx, &l, i as u64);
+        let (expected, got, k) = both(ctx, &l);
         assert_parity(&expected, &got, k, &layer.name);
     }
 }
@@ -212,7 +151,7 @@ fn layers_chain_on_the_device_without_copies() {
     let convs: Vec<GpuConv2d> = [p1, p2, p3]
         .iter()
         .zip(&ws)
-        .map(|(p, w)| GpuConv2d::new(&ctx, *p, w, None).unwrap())
+        .map(|(p, w)| GpuConv2d::new(ctx, *p, w, None).unwrap())
         .collect();
     let mut x = ctx.upload(&input).unwrap();
     for conv in &convs {
@@ -233,7 +172,7 @@ fn conv1d_and_bad_input_are_typed() {
     let Some(ctx) = context() else { return };
     let params = ConvParams::conv1d(4, 6, 5).with_stride([1, 2]);
     let w = Rng::new(3).vec(params.weights_len().unwrap());
-    let conv = GpuConv1d::new(&ctx, params, &w, None).unwrap();
+    let conv = GpuConv1d::new(ctx, params, &w, None).unwrap();
     let mut plan = conv.plan(1, 40).unwrap();
     let mut out = vec![0.0; plan.geometry().output_len()];
     assert!(matches!(
@@ -253,11 +192,11 @@ fn conv1d_and_bad_input_are_typed() {
         assert!((v - sum).abs() < 1e-5, "output {o}: {v} vs {sum}");
     }
     assert!(matches!(
-        GpuConv1d::new(&ctx, ConvParams::conv2d(4, 6, [3, 3]), &[0.0; 216], None),
+        GpuConv1d::new(ctx, ConvParams::conv2d(4, 6, [3, 3]), &[0.0; 216], None),
         Err(Error::InvalidParameter { .. })
     ));
     assert!(matches!(
-        GpuConv2d::new(&ctx, ConvParams::conv2d(4, 6, [3, 3]), &[0.0; 7], None),
+        GpuConv2d::new(ctx, ConvParams::conv2d(4, 6, [3, 3]), &[0.0; 7], None),
         Err(Error::WrongLength {
             what: "weights",
             ..
@@ -271,8 +210,13 @@ fn conv1d_and_bad_input_are_typed() {
         })
     ));
     // Larger than any storage binding: refused at plan time, before any buffer exists.
-    let big = GpuConv2d::new(&ctx, ConvParams::conv2d(64, 8, [1, 1]), &[0.0; 512], None).unwrap();
+    let big = GpuConv2d::new(ctx, ConvParams::conv2d(64, 8, [1, 1]), &[0.0; 512], None).unwrap();
     assert!(matches!(big.plan(1024, 1024, 1024), Err(Error::Gpu { .. })));
+    // A stride past i32 with a one-column output passes the buffer checks, not the shaders' i32.
+    let strided = ConvParams::conv2d(1, 1, [1, 1]).with_stride([1, 1 << 33]);
+    let conv = GpuConv2d::new(ctx, strided, &[1.0], None).unwrap();
+    assert_eq!(strided.geometry(1, 1, 10).unwrap().ow, 1);
+    assert!(matches!(conv.plan(1, 1, 10), Err(Error::Overflow { .. })));
     assert!(matches!(
         GpuContext::with_adapter(AdapterChoice::Name("no such adapter".into())),
         Err(Error::NoGpu { .. })

@@ -5,26 +5,9 @@
 
 mod common;
 
-use common::{cases, Rng};
+use common::{cases, Rng, ACTIVATIONS};
 use convkit::cpu::{registry, Family, KernelInfo};
-use convkit::{
-    reference, Activation, Conv2d, ConvParams, Isa, Layout, Options, Padding, Workspace,
-};
-
-const ACTIVATIONS: [Activation; 9] = [
-    Activation::None,
-    Activation::Relu,
-    Activation::Relu6,
-    Activation::Clamp {
-        min: -0.5,
-        max: 0.25,
-    },
-    Activation::LeakyRelu { alpha: 0.1 },
-    Activation::Silu,
-    Activation::Gelu,
-    Activation::HardSwish,
-    Activation::Sigmoid,
-];
+use convkit::{reference, Conv2d, ConvParams, Isa, Layout, Options, Padding, Workspace};
 
 /// A uniform integer in `lo..hi`.
 fn int(rng: &mut Rng, lo: usize, hi: usize) -> usize {

@@ -14,6 +14,7 @@
 //! returned as [`Error::Gpu`], never a panic.
 
 use crate::conv::check_1d;
+use crate::error::check_lengths;
 use crate::{Activation, ConvParams, Error, Geometry, Layout, Result};
 use wgpu::util::DeviceExt;
 
@@ -246,7 +247,7 @@ impl GpuContext {
 
     /// Copies `tensor` back into `out` (waits for the work queued before it).
     pub fn download(&self, tensor: &GpuTensor, out: &mut [f32]) -> Result<()> {
-        check_len("download destination", tensor.len, out.len())?;
+        check_lengths(&[("download destination", tensor.len, Some(out.len()))])?;
         let readback = self.readback(tensor.len)?;
         let mut encoder = self.device.create_command_encoder(&Default::default());
         encoder.copy_buffer_to_buffer(&tensor.buffer, 0, &readback, 0, readback.size());
@@ -320,17 +321,6 @@ impl GpuTensor {
     pub fn buffer(&self) -> &wgpu::Buffer {
         &self.buffer
     }
-}
-
-fn check_len(what: &'static str, expected: usize, got: usize) -> Result<()> {
-    if expected != got {
-        return Err(Error::WrongLength {
-            what,
-            expected,
-            got,
-        });
-    }
-    Ok(())
 }
 
 /// The layer as the shaders read it (`Dims` in common.wgsl, field for field).
@@ -411,6 +401,7 @@ pub struct GpuConv2d {
     params: ConvParams,
     shader: Shader,
     pipeline: wgpu::ComputePipeline,
+    layout: wgpu::BindGroupLayout,
     weights: wgpu::Buffer,
     bias: Option<wgpu::Buffer>,
     /// Bound where the bias or the residual is absent (a binding cannot be empty).
@@ -427,10 +418,7 @@ impl GpuConv2d {
         bias: Option<&[f32]>,
     ) -> Result<Self> {
         params.validate()?;
-        check_len("weights", params.weights_len()?, weights.len())?;
-        if let Some(b) = bias {
-            check_len("bias", params.out_channels, b.len())?;
-        }
+        params.check_weights_and_bias(weights.len(), bias.map(|b| b.len()))?;
         let shader = if params.in_channels_per_group() == 1 && params.groups > 1 {
             Shader::Depthwise
         } else {
@@ -458,6 +446,7 @@ impl GpuConv2d {
             ctx: ctx.clone(),
             params,
             shader,
+            layout: pipeline.get_bind_group_layout(0),
             pipeline,
             weights: ctx.storage_init("weights", weights)?,
             bias: bias.map(|b| ctx.storage_init("bias", b)).transpose()?,
@@ -502,27 +491,49 @@ impl GpuConv2d {
                 ),
             });
         }
-        let u = |v: usize| v as u32; // every size fits: the buffers' lengths were checked above
+        // The shaders index in u32 and place taps in the padded input as i32: every size,
+        // the padded extents included, must fit in i32 (huge strides or paddings can, with a
+        // small output, pass the buffer checks above).
+        let fields = [
+            g.batch, g.c_in, g.h, g.w, g.c_out, g.groups, g.kh, g.kw, g.sh, g.sw, g.dh, g.dw,
+            g.pad_top, g.pad_left, g.oh, g.ow,
+        ];
+        let padded = [
+            g.h.checked_add(g.pad_top)
+                .and_then(|v| v.checked_add(g.pad_bottom)),
+            g.w.checked_add(g.pad_left)
+                .and_then(|v| v.checked_add(g.pad_right)),
+            g.oh.checked_mul(g.sh),
+            g.ow.checked_mul(g.sw),
+        ];
+        let limit = i32::MAX as usize;
+        if fields.iter().any(|&v| v > limit) || padded.iter().any(|v| v.is_none_or(|v| v > limit)) {
+            return Err(Error::Overflow {
+                what: "a GPU layer's size, stride, dilation or padding (the shaders need i32)",
+            });
+        }
+        let [batch, c_in, h, w, c_out, groups, kh, kw, sh, sw, dh, dw, pad_top, pad_left, oh, ow] =
+            fields.map(|v| v as u32); // checked just above
         let (activation, alpha, lo, hi) = activation_code(self.params.activation);
         let dims = |has_residual: bool| Dims {
-            batch: u(g.batch),
-            c_in: u(g.c_in),
-            h: u(g.h),
-            w: u(g.w),
-            c_out: u(g.c_out),
-            groups: u(g.groups),
-            cin_g: u(g.cin_g()),
-            cout_g: u(g.cout_g()),
-            kh: u(g.kh),
-            kw: u(g.kw),
-            sh: u(g.sh),
-            sw: u(g.sw),
-            dh: u(g.dh),
-            dw: u(g.dw),
-            pad_top: u(g.pad_top),
-            pad_left: u(g.pad_left),
-            oh: u(g.oh),
-            ow: u(g.ow),
+            batch,
+            c_in,
+            h,
+            w,
+            c_out,
+            groups,
+            cin_g: c_in / groups,
+            cout_g: c_out / groups,
+            kh,
+            kw,
+            sh,
+            sw,
+            dh,
+            dw,
+            pad_top,
+            pad_left,
+            oh,
+            ow,
             nhwc: u32::from(g.layout == Layout::Nhwc),
             activation,
             has_bias: u32::from(self.bias.is_some()),
@@ -542,12 +553,18 @@ impl GpuConv2d {
                     })
             })
         };
+        let timer = if ctx.timestamps {
+            Some(ctx.scoped("timestamp queries", || Timer::new(&ctx.device))?)
+        } else {
+            None
+        };
         Ok(GpuPlan {
             conv: self,
             geometry: g,
             workgroups: workgroups.map(|n| n as u32),
             dims: uniform(dims(false))?,
             dims_residual: uniform(dims(true))?,
+            timer,
             host: None,
         })
     }
@@ -564,10 +581,41 @@ pub enum TimingSource {
 }
 
 impl TimingSource {
+    /// How it reads in a report.
     pub fn name(self) -> &'static str {
         match self {
             TimingSource::Timestamps => "timestamp queries",
             TimingSource::WallClock => "wall time around submit and wait",
+        }
+    }
+}
+
+/// The query set and buffers that read a dispatch's two timestamps back.
+#[derive(Debug)]
+struct Timer {
+    queries: wgpu::QuerySet,
+    resolved: wgpu::Buffer,
+    readback: wgpu::Buffer,
+}
+
+impl Timer {
+    fn new(device: &wgpu::Device) -> Timer {
+        let buffer = |usage| {
+            device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("timestamps"),
+                size: 16,
+                usage,
+                mapped_at_creation: false,
+            })
+        };
+        Timer {
+            queries: device.create_query_set(&wgpu::QuerySetDescriptor {
+                label: Some("dispatch time"),
+                ty: wgpu::QueryType::Timestamp,
+                count: 2,
+            }),
+            resolved: buffer(wgpu::BufferUsages::QUERY_RESOLVE | wgpu::BufferUsages::COPY_SRC),
+            readback: buffer(wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST),
         }
     }
 }
@@ -589,6 +637,8 @@ pub struct GpuPlan<'a> {
     workgroups: [u32; 3],
     dims: wgpu::Buffer,
     dims_residual: wgpu::Buffer,
+    /// Made at plan time where the adapter has timestamp queries.
+    timer: Option<Timer>,
     host: Option<HostBuffers>,
 }
 
@@ -626,41 +676,30 @@ impl GpuPlan<'_> {
     ) -> Result<(f64, TimingSource)> {
         let ctx = &self.conv.ctx;
         ctx.wait()?;
-        if !ctx.timestamps {
+        let Some(timer) = &self.timer else {
             let start = std::time::Instant::now();
             self.run_device(input, output, residual)?;
             ctx.wait()?;
             return Ok((start.elapsed().as_secs_f64(), TimingSource::WallClock));
-        }
-        let (queries, resolved, readback) = ctx.scoped("timestamp queries", || {
-            let queries = ctx.device.create_query_set(&wgpu::QuerySetDescriptor {
-                label: Some("dispatch time"),
-                ty: wgpu::QueryType::Timestamp,
-                count: 2,
-            });
-            let buffer = |usage| {
-                ctx.device.create_buffer(&wgpu::BufferDescriptor {
-                    label: Some("timestamps"),
-                    size: 16,
-                    usage,
-                    mapped_at_creation: false,
-                })
-            };
-            (
-                queries,
-                buffer(wgpu::BufferUsages::QUERY_RESOLVE | wgpu::BufferUsages::COPY_SRC),
-                buffer(wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST),
-            )
-        })?;
-        let mut encoder = self.encode(input, output, residual, Some(&queries))?;
-        encoder.resolve_query_set(&queries, 0..2, &resolved, 0);
-        encoder.copy_buffer_to_buffer(&resolved, 0, &readback, 0, 16);
+        };
+        let mut encoder = self.encode(input, output, residual, Some(&timer.queries))?;
+        encoder.resolve_query_set(&timer.queries, 0..2, &timer.resolved, 0);
+        encoder.copy_buffer_to_buffer(&timer.resolved, 0, &timer.readback, 0, 16);
         ctx.queue.submit([encoder.finish()]);
         let mut ticks = [0.0f32; 4];
-        ctx.read(&readback, &mut ticks)?;
+        ctx.read(&timer.readback, &mut ticks)?;
         let [begin, end]: [u64; 2] = bytemuck::cast(ticks);
         let ns = end.saturating_sub(begin) as f64 * ctx.queue.get_timestamp_period() as f64;
         Ok((ns * 1e-9, TimingSource::Timestamps))
+    }
+
+    fn check_lengths(&self, input: usize, output: usize, residual: Option<usize>) -> Result<()> {
+        let g = &self.geometry;
+        check_lengths(&[
+            ("input", g.input_len(), Some(input)),
+            ("output", g.output_len(), Some(output)),
+            ("residual", g.output_len(), residual),
+        ])
     }
 
     fn encode(
@@ -670,12 +709,7 @@ impl GpuPlan<'_> {
         residual: Option<&GpuTensor>,
         timestamps: Option<&wgpu::QuerySet>,
     ) -> Result<wgpu::CommandEncoder> {
-        let g = &self.geometry;
-        check_len("input", g.input_len(), input.len)?;
-        check_len("output", g.output_len(), output.len)?;
-        if let Some(r) = residual {
-            check_len("residual", g.output_len(), r.len)?;
-        }
+        self.check_lengths(input.len, output.len, residual.map(|r| r.len))?;
         let conv = self.conv;
         let ctx = &conv.ctx;
         let dims = if residual.is_some() {
@@ -702,7 +736,7 @@ impl GpuPlan<'_> {
         ctx.scoped("encoding the dispatch", || {
             let bind_group = ctx.device.create_bind_group(&wgpu::BindGroupDescriptor {
                 label: Some("convolution"),
-                layout: &conv.pipeline.get_bind_group_layout(0),
+                layout: &conv.layout,
                 entries: &entries,
             });
             let mut encoder = ctx.device.create_command_encoder(&Default::default());
@@ -747,22 +781,19 @@ impl GpuPlan<'_> {
         residual: Option<&[f32]>,
         output: &mut [f32],
     ) -> Result<()> {
+        // Checked before the uploads: a write past a buffer's end is a wgpu panic.
+        self.check_lengths(input.len(), output.len(), residual.map(|r| r.len()))?;
         let g = &self.geometry;
-        check_len("input", g.input_len(), input.len())?;
-        check_len("output", g.output_len(), output.len())?;
-        if let Some(r) = residual {
-            check_len("residual", g.output_len(), r.len())?;
-        }
         let ctx = self.conv.ctx.clone();
-        if self.host.is_none() {
-            self.host = Some(HostBuffers {
+        let mut host = match self.host.take() {
+            Some(host) => host,
+            None => HostBuffers {
                 input: ctx.tensor(g.input_len())?,
                 output: ctx.tensor(g.output_len())?,
                 residual: None,
                 readback: ctx.readback(g.output_len())?,
-            });
-        }
-        let mut host = self.host.take().expect("made above");
+            },
+        };
         if residual.is_some() && host.residual.is_none() {
             host.residual = Some(ctx.tensor(g.output_len())?);
         }

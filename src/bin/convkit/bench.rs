@@ -111,12 +111,7 @@ pub fn main(args: &[String]) -> CliResult<bool> {
         ],
         &["csv"],
     )?;
-    let mut layers = layers::load(
-        flags.get("layers"),
-        flags.get("only"),
-        flags.parsed("layout")?,
-    )?;
-    layers::override_batch(&mut layers, flags.parsed("batch")?)?;
+    let layers = layers::from_flags(&flags)?;
 
     let reps: usize = flags.parsed("reps")?.unwrap_or(7);
     if reps == 0 {

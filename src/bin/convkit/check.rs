@@ -9,11 +9,7 @@ use convkit::{Algorithm, Conv2d, Error, Isa, Options, Workspace};
 
 pub fn main(args: &[String]) -> CliResult<bool> {
     let flags = Flags::parse(args, &["layers", "threads", "only", "layout", "dtype"], &[])?;
-    let layers = layers::load(
-        flags.get("layers"),
-        flags.get("only"),
-        flags.parsed("layout")?,
-    )?;
+    let layers = layers::from_flags(&flags)?;
 
     let (threads, _) = setup_threads(flags.parsed("threads")?)?;
     let dtype: Dtype = flags.parsed("dtype")?.unwrap_or(Dtype::F32);

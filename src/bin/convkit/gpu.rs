@@ -40,11 +40,7 @@ fn context(flags: &Flags) -> CliResult<GpuContext> {
 /// Every layer on the GPU against the reference (f64 sums of products).
 pub fn check(args: &[String]) -> CliResult<bool> {
     let flags = Flags::parse(args, &["layers", "only", "layout", "adapter"], &[])?;
-    let layers = layers::load(
-        flags.get("layers"),
-        flags.get("only"),
-        flags.parsed("layout")?,
-    )?;
+    let layers = layers::from_flags(&flags)?;
     let ctx = context(&flags)?;
     let width = layers.iter().map(|l| l.name.len()).max().unwrap_or(0);
     let (mut passed, mut failed) = (0, 0);
@@ -91,12 +87,7 @@ pub fn bench(args: &[String]) -> CliResult<bool> {
         &["layers", "only", "layout", "adapter", "batch", "reps"],
         &["csv"],
     )?;
-    let mut layers = layers::load(
-        flags.get("layers"),
-        flags.get("only"),
-        flags.parsed("layout")?,
-    )?;
-    layers::override_batch(&mut layers, flags.parsed("batch")?)?;
+    let layers = layers::from_flags(&flags)?;
     let reps: usize = flags.parsed("reps")?.unwrap_or(7).max(1);
     let csv = flags.has("csv");
     let (threads, _) = setup_threads(Some(0))?;

@@ -1,7 +1,7 @@
 //! The layer suite: its CSV format (shared by `bench` and `check`), the `--layer` string of
 //! `run`, and the deterministic pseudo-random tensors the suite runs on.
 
-use crate::args::{CliError, CliResult};
+use crate::args::{CliError, CliResult, Flags};
 use convkit::{ConvParams, Geometry};
 
 pub use convkit::suite::Layer;
@@ -17,7 +17,7 @@ pub fn im2col_bytes(g: &Geometry) -> u128 {
 
 /// The suite from `--layers FILE` (or the built-in one), narrowed to `--only a,b,c`.
 /// The suite is written NCHW; `layout` runs the same layers on NHWC tensors.
-pub fn load(
+fn load(
     path: Option<&str>,
     only: Option<&str>,
     layout: Option<convkit::Layout>,
@@ -64,16 +64,20 @@ pub fn load(
         .collect())
 }
 
-/// `--batch N`: runs every layer at batch N instead of the suite's.
-pub fn override_batch(layers: &mut [Layer], batch: Option<usize>) -> CliResult<()> {
-    match batch {
-        Some(0) => Err(CliError::Usage("--batch must be at least 1".into())),
-        Some(n) => {
-            layers.iter_mut().for_each(|l| l.batch = n);
-            Ok(())
-        }
-        None => Ok(()),
+/// The suite a subcommand's flags name: `--layers`, `--only`, `--layout`, and `--batch N`
+/// (every layer at batch N instead of the suite's) where the subcommand takes it.
+pub fn from_flags(flags: &Flags) -> CliResult<Vec<Layer>> {
+    let mut layers = load(
+        flags.get("layers"),
+        flags.get("only"),
+        flags.parsed("layout")?,
+    )?;
+    match flags.parsed::<usize>("batch")? {
+        Some(0) => return Err(CliError::Usage("--batch must be at least 1".into())),
+        Some(n) => layers.iter_mut().for_each(|l| l.batch = n),
+        None => {}
     }
+    Ok(layers)
 }
 
 /// splitmix64: tiny, fast and good enough for test data.
