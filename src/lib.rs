@@ -29,6 +29,7 @@
 //! ```
 
 mod algo;
+mod backward;
 mod buffer;
 mod conv;
 pub mod cpu;
@@ -49,6 +50,9 @@ pub mod winograd {
     pub use crate::algo::winograd::{ERROR_FACTOR, RELATIVE_ERROR};
 }
 pub use algo::Algorithm;
+pub use backward::{
+    Accumulate, BackwardPlan, ConvBackward, ConvTranspose1d, ConvTranspose2d, TransposePlan,
+};
 pub use buffer::Workspace;
 pub use conv::{Conv1d, Conv2d, Options};
 pub use cpu::Isa;

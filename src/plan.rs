@@ -132,6 +132,19 @@ impl Plan {
         ];
         crate::error::check_lengths(&checks)?;
         let scratch = ws.floats(self.workspace_bytes() / 4)?;
+        self.run_scratch(input, residual, output, scratch);
+        Ok(())
+    }
+
+    /// Runs with `scratch` (at least `workspace_bytes() / 4` floats) on slices whose lengths
+    /// were checked.
+    pub(crate) fn run_scratch(
+        &self,
+        input: &[f32],
+        residual: Option<&[f32]>,
+        output: &mut [f32],
+        scratch: &mut [f32],
+    ) {
         let c = &*self.conv;
         let bias = c.bias.as_deref();
         match (&c.packed, &*self.algo) {
@@ -173,6 +186,5 @@ impl Plan {
             ),
             _ => unreachable!("a plan is made by its convolution's algorithm"),
         }
-        Ok(())
     }
 }

@@ -107,6 +107,243 @@ pub fn conv(
     })
 }
 
+/// Calls `f(input_index, weight_index, output_index, output_channel)` for every product the
+/// convolution of geometry `g` sums: each (output, tap) pair whose input pixel is not padding.
+fn for_each_product(g: &Geometry, mut f: impl FnMut(usize, usize, usize, usize)) {
+    let (cin_g, cout_g) = (g.cin_g(), g.cout_g());
+    for n in 0..g.batch {
+        for co in 0..g.c_out {
+            let group = co / cout_g;
+            for oy in 0..g.oh {
+                for ox in 0..g.ow {
+                    let o = at(g.layout, (g.c_out, g.oh, g.ow), n, co, oy, ox);
+                    for ci in 0..cin_g {
+                        for ky in 0..g.kh {
+                            for kx in 0..g.kw {
+                                let y = (oy * g.sh + ky * g.dh) as isize - g.pad_top as isize;
+                                let x = (ox * g.sw + kx * g.dw) as isize - g.pad_left as isize;
+                                if y < 0 || x < 0 || y as usize >= g.h || x as usize >= g.w {
+                                    continue;
+                                }
+                                let c = group * cin_g + ci;
+                                let i =
+                                    at(g.layout, (g.c_in, g.h, g.w), n, c, y as usize, x as usize);
+                                let wi = ((co * cin_g + ci) * g.kh + ky) * g.kw + kx;
+                                f(i, wi, o, co);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The input's gradient `∂L/∂x = Σ ∂L/∂y · w` of the convolution alone (activation ignored),
+/// from the definition in f64. `k_len` is the number of products a gradient element can sum at
+/// most (`c_out/groups · kh · kw`).
+pub fn backward_data(
+    params: &ConvParams,
+    batch: usize,
+    in_h: usize,
+    in_w: usize,
+    grad_output: &[f32],
+    weights: &[f32],
+) -> Result<Reference> {
+    let g: Geometry = params.geometry(batch, in_h, in_w)?;
+    crate::error::check_lengths(&[
+        ("grad_output", g.output_len(), Some(grad_output.len())),
+        ("weights", params.weights_len()?, Some(weights.len())),
+    ])?;
+    let mut values = vec![0.0; g.input_len()];
+    let mut magnitude = vec![0.0; g.input_len()];
+    for_each_product(&g, |i, wi, o, _| {
+        let p = grad_output[o] as f64 * weights[wi] as f64;
+        values[i] += p;
+        magnitude[i] += p.abs();
+    });
+    Ok(Reference {
+        values,
+        magnitude,
+        k_len: g.cout_g() * g.kh * g.kw,
+    })
+}
+
+/// The gradients of the weights (OIHW) and of the bias, `∂L/∂w = Σ ∂L/∂y · x` and `∂L/∂b =
+/// Σ ∂L/∂y`, from the definition in f64.
+pub fn backward_weights(
+    params: &ConvParams,
+    batch: usize,
+    in_h: usize,
+    in_w: usize,
+    input: &[f32],
+    grad_output: &[f32],
+) -> Result<(Reference, Reference)> {
+    let g: Geometry = params.geometry(batch, in_h, in_w)?;
+    crate::error::check_lengths(&[
+        ("input", g.input_len(), Some(input.len())),
+        ("grad_output", g.output_len(), Some(grad_output.len())),
+    ])?;
+    let len = params.weights_len()?;
+    let (mut values, mut magnitude) = (vec![0.0; len], vec![0.0; len]);
+    for_each_product(&g, |i, wi, o, _| {
+        let p = grad_output[o] as f64 * input[i] as f64;
+        values[wi] += p;
+        magnitude[wi] += p.abs();
+    });
+    let (mut bias, mut bias_mag) = (vec![0.0; g.c_out], vec![0.0; g.c_out]);
+    for n in 0..g.batch {
+        for co in 0..g.c_out {
+            for oy in 0..g.oh {
+                for ox in 0..g.ow {
+                    let v = grad_output[at(g.layout, (g.c_out, g.oh, g.ow), n, co, oy, ox)] as f64;
+                    bias[co] += v;
+                    bias_mag[co] += v.abs();
+                }
+            }
+        }
+    }
+    let k_len = g.batch * g.oh * g.ow;
+    Ok((
+        Reference {
+            values,
+            magnitude,
+            k_len,
+        },
+        Reference {
+            values: bias,
+            magnitude: bias_mag,
+            k_len,
+        },
+    ))
+}
+
+/// Transposed convolution (PyTorch's `ConvTranspose2d`) straight from its definition: every
+/// input pixel `(iy, ix)` of channel `ci` adds `x · W[ci][co][ky][kx]` to output pixel
+/// `(iy·s - pad_begin + ky·d, …)`; then bias, residual, activation. `params` describe the
+/// transposed convolution (weights `in x out/groups x kh x kw`); explicit or valid padding.
+/// Returns the output and its shape in the layout's order.
+#[allow(clippy::too_many_arguments)]
+pub fn conv_transpose(
+    params: &ConvParams,
+    output_padding: [usize; 2],
+    batch: usize,
+    in_h: usize,
+    in_w: usize,
+    input: &[f32],
+    weights: &[f32],
+    bias: Option<&[f32]>,
+    residual: Option<&[f32]>,
+) -> Result<(Reference, [usize; 4])> {
+    params.validate()?;
+    let [pt, pb, pl, pr] = match params.padding {
+        crate::Padding::Explicit {
+            top,
+            bottom,
+            left,
+            right,
+        } => [top, bottom, left, right],
+        crate::Padding::Valid => [0; 4],
+        _ => {
+            return Err(crate::Error::InvalidParameter {
+                what: "padding",
+                detail: "the reference transposed convolution takes explicit padding".into(),
+            })
+        }
+    };
+    let size = |i: usize, input: usize, pads: usize| {
+        ((input - 1) * params.stride[i]
+            + (params.kernel[i] - 1) * params.dilation[i]
+            + 1
+            + output_padding[i]) as isize
+            - pads as isize
+    };
+    let (oh, ow) = (size(0, in_h, pt + pb), size(1, in_w, pl + pr));
+    if oh <= 0 || ow <= 0 {
+        return Err(crate::Error::InvalidParameter {
+            what: "output size",
+            detail: format!("{oh}x{ow}"),
+        });
+    }
+    let (oh, ow) = (oh as usize, ow as usize);
+    let (cin, cout, groups) = (params.in_channels, params.out_channels, params.groups);
+    let (cin_g, cout_g) = (cin / groups, cout / groups);
+    let (kh, kw) = (params.kernel[0], params.kernel[1]);
+    let out_len = batch * cout * oh * ow;
+    crate::error::check_lengths(&[
+        ("input", batch * cin * in_h * in_w, Some(input.len())),
+        ("weights", cin * cout_g * kh * kw, Some(weights.len())),
+        ("bias", cout, bias.map(|b| b.len())),
+        ("residual", out_len, residual.map(|r| r.len())),
+    ])?;
+    let (mut values, mut magnitude) = (vec![0.0; out_len], vec![0.0; out_len]);
+    for n in 0..batch {
+        for ci in 0..cin {
+            let group = ci / cin_g;
+            for iy in 0..in_h {
+                for ix in 0..in_w {
+                    let x = input[at(params.layout, (cin, in_h, in_w), n, ci, iy, ix)] as f64;
+                    for co in 0..cout_g {
+                        for ky in 0..kh {
+                            for kx in 0..kw {
+                                let oy = (iy * params.stride[0] + ky * params.dilation[0]) as isize
+                                    - pt as isize;
+                                let ox = (ix * params.stride[1] + kx * params.dilation[1]) as isize
+                                    - pl as isize;
+                                if oy < 0 || ox < 0 || oy as usize >= oh || ox as usize >= ow {
+                                    continue;
+                                }
+                                let c = group * cout_g + co;
+                                let o = at(
+                                    params.layout,
+                                    (cout, oh, ow),
+                                    n,
+                                    c,
+                                    oy as usize,
+                                    ox as usize,
+                                );
+                                let p =
+                                    x * weights[((ci * cout_g + co) * kh + ky) * kw + kx] as f64;
+                                values[o] += p;
+                                magnitude[o] += p.abs();
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    for n in 0..batch {
+        for c in 0..cout {
+            for y in 0..oh {
+                for x in 0..ow {
+                    let o = at(params.layout, (cout, oh, ow), n, c, y, x);
+                    for extra in [bias.map(|b| b[c]), residual.map(|r| r[o])]
+                        .into_iter()
+                        .flatten()
+                    {
+                        values[o] += extra as f64;
+                        magnitude[o] += (extra as f64).abs();
+                    }
+                    values[o] = params.activation.apply_f64(values[o]);
+                }
+            }
+        }
+    }
+    let shape = match params.layout {
+        Layout::Nchw => [batch, cout, oh, ow],
+        Layout::Nhwc => [batch, oh, ow, cout],
+    };
+    Ok((
+        Reference {
+            values,
+            magnitude,
+            k_len: cin_g * kh * kw,
+        },
+        shape,
+    ))
+}
+
 /// How far a result is from the reference.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Comparison {

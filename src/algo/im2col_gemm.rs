@@ -252,6 +252,7 @@ impl Im2colGemm {
                     bias_per_row: true,
                     residual: residual.map_or(std::ptr::null(), |r| r[first..].as_ptr()),
                     activation,
+                    accumulate: false,
                 };
                 gemm(
                     kern,
@@ -285,6 +286,7 @@ impl Im2colGemm {
                     bias_per_row: false,
                     residual: residual.map_or(std::ptr::null(), |r| r[first..].as_ptr()),
                     activation,
+                    accumulate: false,
                 };
                 gemm(
                     kern,

@@ -1,7 +1,9 @@
 //! One file per algorithm. Each packs its weights at create time, plans a fixed input size,
 //! and runs without allocating.
 
+pub(crate) mod backward_gemm;
 pub mod depthwise;
+pub(crate) mod depthwise_backward;
 pub mod direct;
 pub(crate) mod im2col_gemm;
 pub mod qdepthwise;

@@ -212,6 +212,8 @@ pub(crate) struct Output<'a> {
     /// Residual with the same layout as C.
     pub residual: *const f32,
     pub activation: Activation,
+    /// Add the product to what C holds (`C += A·B`) instead of overwriting it.
+    pub accumulate: bool,
 }
 
 /// `C = A·B` (+ epilogue) for `m x n x k`, single-threaded; the caller splits work between
@@ -267,7 +269,7 @@ pub(crate) unsafe fn gemm<A: Panels, B: BlockB>(
                         let mm = mr.min(mcur - ir);
                         let c = out.c.offset(row as isize * out.rs_c).add(col);
                         let ep = GemmEpilogue {
-                            accumulate: pc > 0,
+                            accumulate: pc > 0 || out.accumulate,
                             last,
                             bias: match out.bias {
                                 Some(bias) if out.bias_per_row => bias.as_ptr().add(row),
@@ -417,6 +419,7 @@ pub fn sgemm_with(
         bias_per_row: false,
         residual: std::ptr::null(),
         activation: Activation::None,
+        accumulate: false,
     };
     let (pa, pb) = (
         pack::RowMajorA { data: a, ld: lda },
