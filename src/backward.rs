@@ -384,6 +384,7 @@ impl ConvBackward {
     }
 }
 
+#[derive(Clone)]
 enum WeightPlan {
     Gemm(WeightGradPlan),
     Depthwise(DwBackwardPlan),
@@ -397,15 +398,6 @@ pub struct BackwardPlan {
     geometry: Geometry,
     data: Arc<DataPlan>,
     weights: WeightPlan,
-}
-
-impl Clone for WeightPlan {
-    fn clone(&self) -> Self {
-        match self {
-            WeightPlan::Gemm(p) => WeightPlan::Gemm(*p),
-            WeightPlan::Depthwise(p) => WeightPlan::Depthwise(*p),
-        }
-    }
 }
 
 impl BackwardPlan {
@@ -437,17 +429,17 @@ impl BackwardPlan {
 
     fn weights_floats(&self) -> usize {
         match &self.weights {
-            WeightPlan::Gemm(p) => p.workspace_floats(),
+            WeightPlan::Gemm(p) => p.workspace_floats(&self.geometry),
             WeightPlan::Depthwise(p) => p.workspace_floats(),
         }
     }
 
     /// Which path and kernel each pass runs, e.g. `data: forward/winograd, weights:
-    /// patches_gemm/gemm_f32_6x16_avx2`.
+    /// tap_gemm/gemm_f32_6x16_avx2`.
     pub fn kernel_name(&self) -> String {
         let inner = &self.inner;
         let weights = match &inner.weights {
-            WeightPath::Gemm(w) => format!("patches_gemm/{}", w.kernel_name()),
+            WeightPath::Gemm(w) => format!("tap_gemm/{}", w.kernel_name()),
             WeightPath::Depthwise => inner
                 .data
                 .depthwise

@@ -14,38 +14,54 @@
 
 use super::{for_each_worker, SendPtr};
 use crate::buffer::AlignedBuf;
+use crate::cpu::generated_layout::Transpose8x8;
 use crate::cpu::{self, Isa};
 use crate::gemm::pack::{prepack, prepacked_len, Prepacked, RowMajorA, RowMajorB};
 use crate::gemm::{gemm, BlockB, Blocking, GemmKernel, Output, Panels, NC_MAX};
 use crate::params::{mul, Geometry};
 use crate::{Activation, ConvParams, Layout, Result};
 
-/// Calls `f` in a function compiled for `isa`, so that the loops it inlines (packing, col2im)
-/// use that ISA's vectors.
+/// Defines `unsafe fn $name(isa, args…)`: `$body::<FMA>(args…)` compiled for `isa` (AVX-512,
+/// AVX2 + FMA, or the target's baseline), so that the loops `$body` inlines use that ISA's
+/// vectors and, where `FMA`, fused multiply-adds. A wrapper per ISA with concrete types:
+/// a generic closure would not be inlined into the `target_feature` function reliably.
 ///
-/// # Safety
-/// The CPU must have `isa`.
-#[inline(always)]
-pub(crate) unsafe fn with_isa<R>(isa: Isa, f: impl FnOnce() -> R) -> R {
-    #[cfg(target_arch = "x86_64")]
-    {
-        #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma")]
-        unsafe fn avx512<R>(f: impl FnOnce() -> R) -> R {
-            f()
+/// The defined function's safety contract: the CPU must have `isa`.
+macro_rules! isa_dispatch {
+    ($vis:vis fn $name:ident = $body:ident ( $($arg:ident : $ty:ty),* $(,)? )) => {
+        /// Runs the kernel of the same name compiled for `isa`.
+        ///
+        /// # Safety
+        /// The CPU must have `isa`.
+        #[allow(clippy::too_many_arguments)]
+        $vis unsafe fn $name(isa: $crate::cpu::Isa, $($arg: $ty),*) {
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma")]
+                #[allow(clippy::too_many_arguments)]
+                unsafe fn avx512($($arg: $ty),*) {
+                    $body::<true>($($arg),*)
+                }
+                #[target_feature(enable = "avx2,fma")]
+                #[allow(clippy::too_many_arguments)]
+                unsafe fn avx2($($arg: $ty),*) {
+                    $body::<true>($($arg),*)
+                }
+                match isa {
+                    $crate::cpu::Isa::Avx512 => return avx512($($arg),*),
+                    $crate::cpu::Isa::Avx2 => return avx2($($arg),*),
+                    _ => {}
+                }
+            }
+            if isa == $crate::cpu::Isa::Scalar {
+                $body::<false>($($arg),*)
+            } else {
+                $body::<true>($($arg),*)
+            }
         }
-        #[target_feature(enable = "avx2,fma")]
-        unsafe fn avx2<R>(f: impl FnOnce() -> R) -> R {
-            f()
-        }
-        match isa {
-            Isa::Avx512 => return avx512(f),
-            Isa::Avx2 => return avx2(f),
-            _ => {}
-        }
-    }
-    let _ = isa;
-    f()
+    };
 }
+pub(crate) use isa_dispatch;
 
 /// Rows (NCHW) or columns (NHWC) of `dcol` a block of input channels aims at: enough to keep
 /// the kernel busy on a tile, few enough that blocks split the work between threads.
@@ -222,13 +238,36 @@ impl Col2imData {
             // its block of its image, which no other item writes; `dx` holds the whole tensor
             // (its length was checked). The kernel's ISA was checked at create.
             unsafe {
-                with_isa(self.kern.isa, || {
-                    self.run_item(plan, g, dy, out, accumulate, ep, s, item)
-                })
+                col2im_item(
+                    self.kern.isa,
+                    self,
+                    plan,
+                    g,
+                    dy,
+                    out,
+                    accumulate,
+                    &ep,
+                    s,
+                    item,
+                )
             }
         });
     }
+}
 
+isa_dispatch!(fn col2im_item = col2im_item_body(
+    a: &Col2imData,
+    plan: &Col2imPlan,
+    g: &Geometry,
+    dy: &[f32],
+    out: SendPtr,
+    accumulate: bool,
+    ep: &Epilogue,
+    scratch: &mut [f32],
+    item: usize,
+));
+
+impl Col2imData {
     /// # Safety
     /// `out` points to the whole input-gradient tensor, and no other thread writes this item's
     /// channels during the call.
@@ -241,7 +280,7 @@ impl Col2imData {
         dy: &[f32],
         out: SendPtr,
         accumulate: bool,
-        ep: Epilogue,
+        ep: &Epilogue,
         scratch: &mut [f32],
         item: usize,
     ) {
@@ -325,6 +364,26 @@ impl Col2imData {
     }
 }
 
+/// [`Col2imData::run_item`] as a kernel body for [`isa_dispatch`].
+///
+/// # Safety
+/// As [`Col2imData::run_item`].
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn col2im_item_body<const F: bool>(
+    a: &Col2imData,
+    plan: &Col2imPlan,
+    g: &Geometry,
+    dy: &[f32],
+    out: SendPtr,
+    accumulate: bool,
+    ep: &Epilogue,
+    scratch: &mut [f32],
+    item: usize,
+) {
+    a.run_item(plan, g, dy, out, accumulate, ep, scratch, item)
+}
+
 /// A GEMM output that overwrites a row-major tile with `ld` floats a row.
 fn tile_output(tile: &mut [f32], ld: usize) -> Output<'static> {
     Output {
@@ -341,7 +400,7 @@ fn tile_output(tile: &mut [f32], ld: usize) -> Output<'static> {
 /// The output columns `ox` whose tap at offset `off` (`ox·stride + off`) lands inside
 /// `0..len`, as a range.
 #[inline(always)]
-fn inside(stride: usize, off: isize, len: usize, outs: usize) -> std::ops::Range<usize> {
+pub(crate) fn inside(stride: usize, off: isize, len: usize, outs: usize) -> std::ops::Range<usize> {
     let s = stride as isize;
     // ox·s + off >= 0  and  ox·s + off <= len - 1
     let lo = if off >= 0 { 0 } else { (-off + s - 1) / s };
@@ -405,12 +464,15 @@ fn col2im_nhwc_pixel(g: &Geometry, p: usize, cb: usize, cc: usize, t: &[f32], im
     }
 }
 
-/// The backward-weights GEMM (no packed weights: both operands come from the data).
+/// The backward-weights GEMMs: one per group and tap (no packed weights: both operands come
+/// from the data).
 pub(crate) struct WeightGrad {
     kern: &'static GemmKernel,
+    transpose: Transpose8x8,
 }
 
-/// How a backward-weights run splits: `groups x nchunks` items of `nchunk` columns.
+/// How a backward-weights run splits: `groups x taps x nchunks` items of `nchunk` input
+/// channels, each its own GEMM.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct WeightGradPlan {
     blk: Blocking,
@@ -420,8 +482,18 @@ pub(crate) struct WeightGradPlan {
 }
 
 impl WeightGradPlan {
-    pub(crate) fn workspace_floats(&self) -> usize {
-        self.workers * (self.blk.a_scratch() + self.blk.b_scratch())
+    /// Per worker a GEMM's packing buffers; then the tap-major gradient (the weights' size)
+    /// and, for NCHW, one image transposed to NHWC.
+    pub(crate) fn workspace_floats(&self, g: &Geometry) -> usize {
+        let image = match g.layout {
+            Layout::Nchw => g.c_in * g.h * g.w,
+            Layout::Nhwc => 0,
+        };
+        self.workers * self.per_worker() + g.c_out * g.k_len() + image
+    }
+
+    fn per_worker(&self) -> usize {
+        self.blk.a_scratch() + self.blk.b_scratch()
     }
 }
 
@@ -429,6 +501,7 @@ impl WeightGrad {
     pub(crate) fn new(isa: Isa) -> Self {
         WeightGrad {
             kern: cpu::gemm_f32(isa),
+            transpose: cpu::transpose_8x8(isa),
         }
     }
 
@@ -437,25 +510,27 @@ impl WeightGrad {
     }
 
     pub(crate) fn plan(&self, g: &Geometry, threads: usize) -> WeightGradPlan {
-        let nr = self.kern.nr;
-        let k = g.k_len();
-        let t = threads.max(1);
-        // Enough column chunks that every worker has work, each at least two panels wide.
-        let want = t.div_ceil(g.groups);
-        let nchunk = k.div_ceil(want).div_ceil(nr).max(2) * nr;
-        let nchunk = nchunk.min(k.div_ceil(nr) * nr);
-        let nchunks = k.div_ceil(nchunk);
-        let q = g.batch * g.oh * g.ow;
-        let blk = Blocking::new(self.kern, q, nchunk.min(NC_MAX), 1);
+        let (nr, cin_g, t) = (self.kern.nr, g.cin_g(), threads.max(1));
+        // Split the input channels too where groups and taps alone leave workers idle.
+        let want = (2 * t)
+            .div_ceil(g.groups * g.kh * g.kw)
+            .min(cin_g.div_ceil(nr));
+        let nchunk = cin_g.div_ceil(want.max(1)).div_ceil(nr) * nr;
+        let nchunks = cin_g.div_ceil(nchunk);
+        let blk = Blocking::new(self.kern, g.oh * g.ow, nchunk.min(NC_MAX), 1);
         WeightGradPlan {
             blk,
             nchunk,
             nchunks,
-            workers: t.min(g.groups * nchunks),
+            workers: t.min(g.groups * g.kh * g.kw * nchunks),
         }
     }
 
-    /// `dw (+)= dyᵀ-by-patches` for every group.
+    /// `dw (+)= Σ over images, per group and tap, dy · (input shifted by the tap)`: for tap
+    /// (ky, kx), `dW[:, :, ky, kx] = dY[c_out/g x pixels] · X_tap[pixels x c_in/g]`, where
+    /// row p of `X_tap` is the input pixel that tap reads for output pixel p: a run of
+    /// channels in NHWC, copied into the B panels without any gather (NCHW inputs are
+    /// transposed an image at a time first).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn run(
         &self,
@@ -467,59 +542,154 @@ impl WeightGrad {
         accumulate: bool,
         scratch: &mut [f32],
     ) {
-        let out = SendPtr(dw.as_mut_ptr());
-        let k = g.k_len();
-        let q = g.batch * g.oh * g.ow;
-        let items = g.groups * plan.nchunks;
-        for_each_worker(plan.workers, items, scratch, |s, item| {
-            let (grp, n0) = (item / plan.nchunks, item % plan.nchunks * plan.nchunk);
-            let nlen = plan.nchunk.min(k - n0);
-            let (a_buf, b_buf) = s.split_at_mut(plan.blk.a_scratch());
-            let a = GradOutA { dy, g, grp };
-            let b = PatchesB {
-                x,
-                g,
-                grp,
-                col0: n0,
+        let (cin_g, cout_g, taps) = (g.cin_g(), g.cout_g(), g.kh * g.kw);
+        let plane = g.h * g.w;
+        let (gemm_bufs, rest) = scratch.split_at_mut(plan.workers * plan.per_worker());
+        let (sums, image) = rest.split_at_mut(g.c_out * g.k_len());
+        let tile = cout_g * cin_g; // one tap's gradient of one group
+        let out = SendPtr(sums.as_mut_ptr());
+        for n in 0..g.batch {
+            let xn = match g.layout {
+                Layout::Nhwc => &x[n * plane * g.c_in..][..plane * g.c_in],
+                Layout::Nchw => {
+                    let src = &x[n * g.c_in * plane..][..g.c_in * plane];
+                    let img = &mut image[..plane * g.c_in];
+                    planes_to_pixels(self.transpose, src, g.c_in, plane, img);
+                    &*img
+                }
             };
-            let o = Output {
-                // SAFETY (of the offset): rows grp·c_out/g.. of `dw`, columns n0..n0+nlen.
-                c: unsafe { out.get().add(grp * g.cout_g() * k + n0) },
-                rs_c: k as isize,
-                bias: None,
-                bias_per_row: false,
-                residual: std::ptr::null(),
-                activation: Activation::None,
-                accumulate,
-            };
-            // SAFETY: item (group, column chunk) writes only its rows and columns of `dw`,
-            // which holds every group's weights (its length was checked); the operands pack
-            // from `x` and `dy`, whose lengths were checked; the ISA was checked at create.
-            unsafe {
-                with_isa(self.kern.isa, || {
-                    gemm(
+            let items = g.groups * taps * plan.nchunks;
+            for_each_worker(plan.workers, items, gemm_bufs, |s, item| {
+                let (grp, tap) = (item / (taps * plan.nchunks), item / plan.nchunks % taps);
+                let col0 = item % plan.nchunks * plan.nchunk;
+                let cols = plan.nchunk.min(cin_g - col0);
+                let (a_buf, b_buf) = s.split_at_mut(plan.blk.a_scratch());
+                let a = GradOutA { dy, g, grp, n };
+                let b = TapRowsB {
+                    x: xn,
+                    g,
+                    grp,
+                    tap,
+                    col0,
+                };
+                let o = Output {
+                    // SAFETY (of the offset): the columns col0.. of item (group, tap)'s tile of
+                    // the tap-major sums.
+                    c: unsafe { out.get().add((grp * taps + tap) * tile + col0) },
+                    rs_c: cin_g as isize,
+                    bias: None,
+                    bias_per_row: false,
+                    residual: std::ptr::null(),
+                    activation: Activation::None,
+                    accumulate: n > 0,
+                };
+                // SAFETY: item (group, tap, chunk) writes only its columns of its tile of `sums`;
+                // the operands read `dy` and the image, whose lengths were checked; the ISA
+                // was checked at create.
+                unsafe {
+                    weight_grad_gemm(
+                        self.kern.isa,
                         self.kern,
-                        &plan.blk,
-                        g.cout_g(),
-                        nlen,
-                        q,
+                        plan,
+                        cout_g,
+                        cols,
+                        g.oh * g.ow,
                         &a,
                         &b,
                         &o,
                         a_buf,
                         b_buf,
                     )
-                })
+                }
+            });
+        }
+        // Tap-major (group, tap, co, ci) to OIHW (co, ci, tap).
+        for grp in 0..g.groups {
+            for co in 0..cout_g {
+                let dst = &mut dw[(grp * cout_g + co) * cin_g * taps..][..cin_g * taps];
+                for tap in 0..taps {
+                    let src = &sums[((grp * taps + tap) * cout_g + co) * cin_g..][..cin_g];
+                    for (ci, &v) in src.iter().enumerate() {
+                        let d = &mut dst[ci * taps + tap];
+                        *d = if accumulate { *d + v } else { v };
+                    }
+                }
             }
-        });
+        }
     }
 }
 
-/// A: the output gradient of one group as `c_out/g x (batch·pixels)`.
+/// `c` planes of `plane` floats (`src`) as `plane` pixels of `c` channels (`dst`): 8x8 blocks
+/// through the transpose kernel, the ragged edges element by element.
+fn planes_to_pixels(t: Transpose8x8, src: &[f32], c: usize, plane: usize, dst: &mut [f32]) {
+    assert!(src.len() >= c * plane && dst.len() >= c * plane);
+    let (c8, p8) = (c / 8 * 8, plane / 8 * 8);
+    for c0 in (0..c8).step_by(8) {
+        for p0 in (0..p8).step_by(8) {
+            // SAFETY: rows c0..c0+8 of `src` hold columns p0..p0+8, rows p0..p0+8 of `dst`
+            // columns c0..c0+8 (both lengths asserted above); the kernel is one this CPU runs.
+            unsafe {
+                t(
+                    src[c0 * plane + p0..].as_ptr(),
+                    plane,
+                    dst[p0 * c + c0..].as_mut_ptr(),
+                    c,
+                )
+            }
+        }
+        for ch in c0..c0 + 8 {
+            for p in p8..plane {
+                dst[p * c + ch] = src[ch * plane + p];
+            }
+        }
+    }
+    for ch in c8..c {
+        for p in 0..plane {
+            dst[p * c + ch] = src[ch * plane + p];
+        }
+    }
+}
+
+isa_dispatch!(fn weight_grad_gemm = weight_grad_gemm_body(
+    kern: &GemmKernel,
+    plan: &WeightGradPlan,
+    m: usize,
+    n: usize,
+    k: usize,
+    a: &GradOutA,
+    b: &TapRowsB,
+    out: &Output,
+    a_buf: &mut [f32],
+    b_buf: &mut [f32],
+));
+
+/// The backward-weights GEMM as a kernel body for [`isa_dispatch`].
+///
+/// # Safety
+/// As [`gemm`].
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn weight_grad_gemm_body<const F: bool>(
+    kern: &GemmKernel,
+    plan: &WeightGradPlan,
+    m: usize,
+    n: usize,
+    k: usize,
+    a: &GradOutA,
+    b: &TapRowsB,
+    out: &Output,
+    a_buf: &mut [f32],
+    b_buf: &mut [f32],
+) {
+    gemm(kern, &plan.blk, m, n, k, a, b, out, a_buf, b_buf)
+}
+
+/// A: the output gradient of image `n` and one group as `c_out/g x pixels`.
 struct GradOutA<'a> {
     dy: &'a [f32],
     g: &'a Geometry,
     grp: usize,
+    n: usize,
 }
 
 impl Panels for GradOutA<'_> {
@@ -537,54 +707,42 @@ impl Panels for GradOutA<'_> {
         let g = self.g;
         let pixels = g.oh * g.ow;
         let c0 = self.grp * g.cout_g() + start;
-        for q in 0..len.div_ceil(r) {
-            let panel = &mut dst[q * kc * r..][..kc * r];
-            let rows = r.min(len - q * r);
-            match g.layout {
-                Layout::Nchw => {
-                    for i in 0..r {
-                        if i >= rows {
-                            (0..kc).for_each(|kk| panel[kk * r + i] = 0.0);
-                            continue;
-                        }
-                        let c = c0 + q * r + i;
-                        // K runs over (image, pixel): copy it a run of one image at a time.
-                        let mut kk = 0;
-                        while kk < kc {
-                            let (n, p) = ((k0 + kk) / pixels, (k0 + kk) % pixels);
-                            let run = (pixels - p).min(kc - kk);
-                            let src = &self.dy[(n * g.c_out + c) * pixels + p..][..run];
-                            for (j, &v) in src.iter().enumerate() {
-                                panel[(kk + j) * r + i] = v;
-                            }
-                            kk += run;
-                        }
-                    }
-                }
-                Layout::Nhwc => {
+        match g.layout {
+            // Rows are the channels' planes: the row-major packer.
+            Layout::Nchw => RowMajorA {
+                data: &self.dy[(self.n * g.c_out + c0) * pixels..],
+                ld: pixels,
+            }
+            .panels(0, len, k0, kc, r, dst),
+            // Column-major: each pixel's channels are a panel step.
+            Layout::Nhwc => {
+                for q in 0..len.div_ceil(r) {
+                    let rows = r.min(len - q * r);
                     for kk in 0..kc {
-                        let d = &mut panel[kk * r..][..r];
-                        let src = &self.dy[(k0 + kk) * g.c_out + c0 + q * r..][..rows];
-                        d[..rows].copy_from_slice(src);
+                        let d = &mut dst[(q * kc + kk) * r..][..r];
+                        let px = self.n * pixels + k0 + kk;
+                        d[..rows].copy_from_slice(&self.dy[px * g.c_out + c0 + q * r..][..rows]);
                         d[rows..].fill(0.0);
                     }
                 }
+                (dst.as_ptr(), kc * r)
             }
         }
-        (dst.as_ptr(), kc * r)
     }
 }
 
-/// B: the patch matrix of one group, `(batch·pixels) x K` with K in OIHW order (channel, ky,
-/// kx), gathered from the input as it is packed; columns from `col0`.
-struct PatchesB<'a> {
+/// B: `pixels x c_in/g` for one group and tap of one NHWC image: row p is the input pixel
+/// tap (ky, kx) reads for output pixel p (zeros where that is padding).
+struct TapRowsB<'a> {
     x: &'a [f32],
     g: &'a Geometry,
     grp: usize,
+    tap: usize,
+    /// First input channel (of the group) of column 0.
     col0: usize,
 }
 
-impl Panels for PatchesB<'_> {
+impl Panels for TapRowsB<'_> {
     const PREPACKED: bool = false;
     #[inline(always)]
     fn panels(
@@ -597,59 +755,38 @@ impl Panels for PatchesB<'_> {
         dst: &mut [f32],
     ) -> (*const f32, usize) {
         let g = self.g;
-        let (pixels, plane, taps) = (g.oh * g.ow, g.h * g.w, g.kh * g.kw);
-        for q in 0..len.div_ceil(r) {
-            let panel = &mut dst[q * kc * r..][..kc * r];
-            let cols = r.min(len - q * r);
-            for j in 0..r {
-                if j >= cols {
-                    (0..kc).for_each(|kk| panel[kk * r + j] = 0.0);
-                    continue;
+        let (ky, kx) = (self.tap / g.kw, self.tap % g.kw);
+        let c0 = self.grp * g.cin_g() + self.col0 + start;
+        let (mut oy, mut ox) = (k0 / g.ow, k0 % g.ow);
+        for kk in 0..kc {
+            let iy = (oy * g.sh + ky * g.dh) as isize - g.pad_top as isize;
+            let ix = (ox * g.sw + kx * g.dw) as isize - g.pad_left as isize;
+            let inside = iy >= 0 && ix >= 0 && (iy as usize) < g.h && (ix as usize) < g.w;
+            let px = if inside {
+                iy as usize * g.w + ix as usize
+            } else {
+                0
+            };
+            for q in 0..len.div_ceil(r) {
+                let cols = r.min(len - q * r);
+                let d = &mut dst[(q * kc + kk) * r..][..r];
+                if inside {
+                    d[..cols].copy_from_slice(&self.x[px * g.c_in + c0 + q * r..][..cols]);
+                    d[cols..].fill(0.0);
+                } else {
+                    d.fill(0.0);
                 }
-                let col = self.col0 + start + q * r + j;
-                let (c, tap) = (self.grp * g.cin_g() + col / taps, col % taps);
-                let (ky, kx) = (tap / g.kw, tap % g.kw);
-                let off_y = (ky * g.dh) as isize - g.pad_top as isize;
-                let off_x = (kx * g.dw) as isize - g.pad_left as isize;
-                let xs = inside(g.sw, off_x, g.w, g.ow);
-                // K runs over (image, output row, output column): one output row at a time.
-                let mut kk = 0;
-                while kk < kc {
-                    let (n, p) = ((k0 + kk) / pixels, (k0 + kk) % pixels);
-                    let (oy, ox0) = (p / g.ow, p % g.ow);
-                    let run = (g.ow - ox0).min(kc - kk);
-                    let iy = (oy * g.sh) as isize + off_y;
-                    let (a, b) = if iy >= 0 && (iy as usize) < g.h {
-                        (xs.start.clamp(ox0, ox0 + run), xs.end.clamp(ox0, ox0 + run))
-                    } else {
-                        (ox0, ox0)
-                    };
-                    for ox in ox0..a.max(ox0) {
-                        panel[(kk + ox - ox0) * r + j] = 0.0;
-                    }
-                    if a < b {
-                        // Element (iy, ix) of channel c of image n, and the step along ox.
-                        let px = iy as usize * g.w + ((a * g.sw) as isize + off_x) as usize;
-                        let (at0, step) = match g.layout {
-                            Layout::Nchw => ((n * g.c_in + c) * plane + px, g.sw),
-                            Layout::Nhwc => ((n * plane + px) * g.c_in + c, g.sw * g.c_in),
-                        };
-                        for ox in a..b {
-                            panel[(kk + ox - ox0) * r + j] = self.x[at0 + (ox - a) * step];
-                        }
-                    }
-                    for ox in b.max(a)..ox0 + run {
-                        panel[(kk + ox - ox0) * r + j] = 0.0;
-                    }
-                    kk += run;
-                }
+            }
+            ox += 1;
+            if ox == g.ow {
+                (oy, ox) = (oy + 1, 0);
             }
         }
         (dst.as_ptr(), kc * r)
     }
 }
 
-impl BlockB for PatchesB<'_> {}
+impl BlockB for TapRowsB<'_> {}
 
 /// `db (+)= Σ over images and pixels of dy`, per output channel.
 pub(crate) fn grad_bias(g: &Geometry, dy: &[f32], db: &mut [f32], accumulate: bool) {
@@ -658,13 +795,20 @@ pub(crate) fn grad_bias(g: &Geometry, dy: &[f32], db: &mut [f32], accumulate: bo
     }
     let pixels = g.oh * g.ow;
     match g.layout {
-        // A plane at a time, summed in f64: a long f32 sum would lose digits.
+        // A plane at a time in 16 f32 lanes, the lanes and planes summed in f64.
         Layout::Nchw => {
             for (c, d) in db.iter_mut().enumerate() {
-                let s: f64 = (0..g.batch)
-                    .flat_map(|n| &dy[(n * g.c_out + c) * pixels..][..pixels])
-                    .map(|&v| v as f64)
-                    .sum();
+                let mut s = 0.0f64;
+                for n in 0..g.batch {
+                    let plane = &dy[(n * g.c_out + c) * pixels..][..pixels];
+                    let mut lanes = [0.0f32; 16];
+                    let chunks = plane.chunks_exact(16);
+                    s += chunks.remainder().iter().map(|&v| v as f64).sum::<f64>();
+                    for ch in chunks {
+                        lanes.iter_mut().zip(ch).for_each(|(l, &v)| *l += v);
+                    }
+                    s += lanes.iter().map(|&v| v as f64).sum::<f64>();
+                }
                 *d += s as f32;
             }
         }

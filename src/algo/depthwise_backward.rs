@@ -11,10 +11,10 @@
 //!   so every tap reads it contiguously. NHWC: per block of channels, the tap sums over the
 //!   pixels with a multiply-add over the channels.
 //!
-//! Every kernel is compiled for the plan's ISA ([`with_isa`]) and left to the compiler to
+//! Every kernel is compiled for the plan's ISA ([`isa_dispatch`]) and left to the compiler to
 //! vectorise: the loops are contiguous multiply-adds.
 
-use super::backward_gemm::{with_isa, Epilogue};
+use super::backward_gemm::{isa_dispatch, Epilogue};
 use super::{for_each_worker, SendPtr};
 use crate::cpu::Isa;
 use crate::params::Geometry;
@@ -31,22 +31,47 @@ fn madd<const F: bool>(a: f32, b: f32, c: f32) -> f32 {
     }
 }
 
-/// Runs `f::<true>` (FMA) or `f::<false>` compiled for `isa`.
-macro_rules! at_isa {
-    ($isa:expr, $f:ident ( $($arg:expr),* )) => {{
-        let isa: Isa = $isa;
-        // SAFETY: `isa` was checked against the CPU when the convolution was created.
-        unsafe {
-            with_isa(isa, || {
-                if isa == Isa::Scalar {
-                    $f::<false>($($arg),*)
-                } else {
-                    $f::<true>($($arg),*)
-                }
-            })
-        }
-    }};
-}
+isa_dispatch!(fn data_nchw_at = data_nchw(
+    plan: &DwBackwardPlan,
+    g: &Geometry,
+    weights: &[f32],
+    dy: &[f32],
+    dx: &mut [f32],
+    accumulate: bool,
+    ep: &Epilogue,
+    phases: &mut [f32],
+    item: usize,
+));
+isa_dispatch!(fn data_nhwc_at = data_nhwc(
+    plan: &DwBackwardPlan,
+    g: &Geometry,
+    weights: &[f32],
+    dy: &[f32],
+    dx: &mut [f32],
+    accumulate: bool,
+    ep: &Epilogue,
+    item: usize,
+));
+isa_dispatch!(fn weights_nchw_at = weights_nchw(
+    plan: &DwBackwardPlan,
+    g: &Geometry,
+    x: &[f32],
+    dy: &[f32],
+    dw: &mut [f32],
+    accumulate: bool,
+    scratch: &mut [f32],
+    oc: usize,
+));
+isa_dispatch!(fn weights_nhwc_at = weights_nhwc(
+    plan: &DwBackwardPlan,
+    g: &Geometry,
+    x: &[f32],
+    dy: &[f32],
+    dw: &mut [f32],
+    accumulate: bool,
+    sums: &mut [f32],
+    item: usize,
+));
 
 /// A depthwise convolution's weights for the backward kernels.
 pub(crate) struct DwBackward {
@@ -56,13 +81,39 @@ pub(crate) struct DwBackward {
     layout: Layout,
 }
 
-/// Workers and scratch of one run.
-#[derive(Clone, Copy, Debug)]
+/// Workers, scratch and index tables of one run: the tables hold the divisions by the stride
+/// the kernels would otherwise repeat for every row and tap.
+#[derive(Clone, Debug)]
 pub(crate) struct DwBackwardPlan {
     workers: usize,
     data_scratch: usize,
     weight_scratch: usize,
+    /// For each (input row, tap row): the output row whose tap reaches it, or `NONE`.
+    src_y: Vec<usize>,
+    /// For each (input column, tap column): the output column, or `NONE` (NHWC).
+    src_x: Vec<usize>,
+    /// Per tap column (NCHW backward data): the stride phase of the input row it feeds and
+    /// the output columns it reads.
+    xtaps: Vec<XTap>,
+    /// Per tap column (NCHW backward weights): the stride phase and offset of the padded input
+    /// row it reads.
+    wtaps: Vec<[usize; 2]>,
 }
+
+/// Tap column `kx` of an NCHW input row: column `x = phase + s·j` takes output column
+/// `j + shift`, for `j` in `lo..hi`.
+#[derive(Clone, Copy, Debug)]
+struct XTap {
+    phase: usize,
+    shift: isize,
+    lo: usize,
+    hi: usize,
+}
+
+const NONE: usize = usize::MAX;
+
+/// Lanes of the NCHW backward-weights partial sums: one AVX-512 vector, two AVX2 ones.
+const LANES: usize = 16;
 
 impl DwBackwardPlan {
     pub(crate) fn workspace_floats(&self) -> usize {
@@ -109,7 +160,7 @@ impl DwBackward {
                 g.batch * g.c_in,
                 g.c_out,
                 g.sw * g.w.div_ceil(g.sw),
-                g.sw * phase_len(g),
+                padded_ow(g) + padded_rows(g) * g.sw * phase_len(g) + g.kh * g.kw * LANES,
             ),
             Layout::Nhwc => (
                 g.batch * g.h,
@@ -118,10 +169,52 @@ impl DwBackward {
                 g.kh * g.kw * NHWC_CHANNELS,
             ),
         };
+        // Output position `o` whose tap `k` lands on input position `i`: i + pad - k·d = o·s.
+        let source = |i: usize, k: usize, pad: usize, d: usize, s: usize, outs: usize| {
+            let t = (i + pad) as isize - (k * d) as isize;
+            let o = t / s as isize;
+            if t >= 0 && (t as usize).is_multiple_of(s) && (o as usize) < outs {
+                o as usize
+            } else {
+                NONE
+            }
+        };
+        let src_y = (0..g.h * g.kh)
+            .map(|i| source(i / g.kh, i % g.kh, g.pad_top, g.dh, g.sh, g.oh))
+            .collect();
+        let src_x = (0..g.w * g.kw)
+            .map(|i| source(i / g.kw, i % g.kw, g.pad_left, g.dw, g.sw, g.ow))
+            .collect();
+        let s = g.sw as isize;
+        let xtaps = (0..g.kw)
+            .map(|kx| {
+                // x = ox·s + kx·dw − pad: phase (kx·dw − pad) mod s, and x = phase + s·j
+                // takes ox = j + shift.
+                let num = (kx * g.dw) as isize - g.pad_left as isize;
+                let phase = num.rem_euclid(s) as usize;
+                let shift = (phase as isize - num) / s;
+                let len = (g.w - phase.min(g.w)).div_ceil(g.sw);
+                let lo = (-shift).max(0) as usize;
+                let hi = (g.ow as isize - shift).clamp(0, len as isize) as usize;
+                XTap {
+                    phase,
+                    shift,
+                    lo,
+                    hi: hi.max(lo),
+                }
+            })
+            .collect();
+        let wtaps = (0..g.kw)
+            .map(|kx| [kx * g.dw % g.sw, kx * g.dw / g.sw])
+            .collect();
         DwBackwardPlan {
             workers: threads.clamp(1, data_items.max(weight_items)),
             data_scratch,
             weight_scratch,
+            src_y,
+            src_x,
+            xtaps,
+            wtaps,
         }
     }
 
@@ -146,13 +239,18 @@ impl DwBackward {
         };
         for_each_worker(plan.workers, items, scratch, |s, item| {
             // SAFETY: an item writes one input channel of one image (NCHW) or one input row of
-            // one image (NHWC), which no other item writes; `dx` holds the whole tensor.
-            let dx = unsafe { std::slice::from_raw_parts_mut(out.get(), g.input_len()) };
-            match self.layout {
-                Layout::Nchw => {
-                    at_isa!(self.isa, data_nchw(g, w, dy, dx, accumulate, &ep, s, item))
+            // one image (NHWC), which no other item writes; `dx` holds the whole tensor. The
+            // ISA was checked against the CPU at create.
+            unsafe {
+                let dx = std::slice::from_raw_parts_mut(out.get(), g.input_len());
+                match self.layout {
+                    Layout::Nchw => {
+                        data_nchw_at(self.isa, plan, g, w, dy, dx, accumulate, &ep, s, item)
+                    }
+                    Layout::Nhwc => {
+                        data_nhwc_at(self.isa, plan, g, w, dy, dx, accumulate, &ep, item)
+                    }
                 }
-                Layout::Nhwc => at_isa!(self.isa, data_nhwc(g, w, dy, dx, accumulate, &ep, item)),
             }
         });
     }
@@ -177,34 +275,45 @@ impl DwBackward {
         };
         let len = g.c_out * g.kh * g.kw;
         for_each_worker(plan.workers, items, scratch, |s, item| {
-            // SAFETY: an item writes the weights of its output channels only.
-            let dw = unsafe { std::slice::from_raw_parts_mut(out.get(), len) };
-            match self.layout {
-                Layout::Nchw => at_isa!(self.isa, weights_nchw(g, x, dy, dw, accumulate, s, item)),
-                Layout::Nhwc => at_isa!(self.isa, weights_nhwc(g, x, dy, dw, accumulate, s, item)),
+            // SAFETY: an item writes the weights of its output channels only, within `dw`
+            // (its length was checked). The ISA was checked against the CPU at create.
+            unsafe {
+                let dw = std::slice::from_raw_parts_mut(out.get(), len);
+                match self.layout {
+                    Layout::Nchw => {
+                        weights_nchw_at(self.isa, plan, g, x, dy, dw, accumulate, s, item)
+                    }
+                    Layout::Nhwc => {
+                        weights_nhwc_at(self.isa, plan, g, x, dy, dw, accumulate, s, item)
+                    }
+                }
             }
         });
     }
 }
 
-/// Floats of one stride phase of a zero-padded input row: every column a tap of an output row
-/// reads, `ox + (kx·dw)/sw` for `ox < ow`.
-fn phase_len(g: &Geometry) -> usize {
-    g.ow + (g.kw - 1) * g.dw / g.sw + 1
+/// Output columns rounded up to whole lanes (the zero-padded output-gradient row).
+fn padded_ow(g: &Geometry) -> usize {
+    g.ow.div_ceil(LANES) * LANES
 }
 
-/// The output row `oy` that tap row `ky` of input row `iy` comes from, if any.
-#[inline(always)]
-fn source_row(g: &Geometry, iy: usize, ky: usize) -> Option<usize> {
-    let t = (iy + g.pad_top) as isize - (ky * g.dh) as isize;
-    (t >= 0 && (t as usize).is_multiple_of(g.sh) && (t as usize / g.sh) < g.oh)
-        .then(|| t as usize / g.sh)
+/// Rows of the zero-padded input plane the taps read: `oy·sh + ky·dh` over every output row
+/// and tap row.
+fn padded_rows(g: &Geometry) -> usize {
+    (g.oh - 1) * g.sh + (g.kh - 1) * g.dh + 1
+}
+
+/// Floats of one stride phase of a zero-padded input row: every column a tap reads for the
+/// lane-padded output row, `j + (kx·dw)/sw` for `j < padded_ow`.
+fn phase_len(g: &Geometry) -> usize {
+    padded_ow(g) + (g.kw - 1) * g.dw / g.sw + 1
 }
 
 /// One input channel of one image (NCHW): every row, gathered a stride phase at a time.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 fn data_nchw<const F: bool>(
+    plan: &DwBackwardPlan,
     g: &Geometry,
     weights: &[f32],
     dy: &[f32],
@@ -217,31 +326,25 @@ fn data_nchw<const F: bool>(
     let (n, c) = (item / g.c_in, item % g.c_in);
     let (m, taps, s) = (g.cout_g(), g.kh * g.kw, g.sw);
     let per_phase = g.w.div_ceil(s);
+    let phases = &mut phases[..s * per_phase];
     let plane = (n * g.c_in + c) * g.h * g.w;
     for iy in 0..g.h {
         phases.fill(0.0);
         for oc in c * m..(c + 1) * m {
             let wts = &weights[oc * taps..][..taps];
             for ky in 0..g.kh {
-                let Some(oy) = source_row(g, iy, ky) else {
+                let oy = plan.src_y[iy * g.kh + ky];
+                if oy == NONE {
                     continue;
-                };
+                }
                 let dy_row = &dy[((n * g.c_out + oc) * g.oh + oy) * g.ow..][..g.ow];
-                for kx in 0..g.kw {
-                    // Column x = ox·s + kx·dw − pad: phase r = (kx·dw − pad) mod s, and
-                    // x = r + s·j takes ox = j + shift.
-                    let num = (kx * g.dw) as isize - g.pad_left as isize;
-                    let r = num.rem_euclid(s as isize) as usize;
-                    let shift = (r as isize - num) / s as isize;
-                    let len = (g.w - r).div_ceil(s);
-                    let lo = (-shift).max(0) as usize;
-                    let hi = (g.ow as isize - shift).clamp(0, len as isize) as usize;
-                    if lo >= hi {
+                for (kx, t) in plan.xtaps.iter().enumerate() {
+                    if t.lo >= t.hi {
                         continue;
                     }
                     let wv = wts[ky * g.kw + kx];
-                    let dst = &mut phases[r * per_phase..][lo..hi];
-                    let src = &dy_row[(lo as isize + shift) as usize..][..hi - lo];
+                    let dst = &mut phases[t.phase * per_phase..][t.lo..t.hi];
+                    let src = &dy_row[(t.lo as isize + t.shift) as usize..][..t.hi - t.lo];
                     dst.iter_mut()
                         .zip(src)
                         .for_each(|(d, &v)| *d = madd::<F>(v, wv, *d));
@@ -251,15 +354,27 @@ fn data_nchw<const F: bool>(
         let start = plane + iy * g.w;
         let row = &mut dx[start..][..g.w];
         if s == 1 {
-            let src = &phases[..g.w];
             match accumulate {
-                true => row.iter_mut().zip(src).for_each(|(d, &v)| *d += v),
-                false => row.copy_from_slice(src),
+                true => row.iter_mut().zip(&*phases).for_each(|(d, &v)| *d += v),
+                false => row.copy_from_slice(phases),
+            }
+        } else if s == 2 && !accumulate {
+            // Interleave the two phases: a pattern the compiler vectorises with shuffles.
+            let (even, odd) = phases.split_at(per_phase);
+            let mut pairs = row.chunks_exact_mut(2);
+            for (pair, (&a, &b)) in (&mut pairs).zip(even.iter().zip(odd)) {
+                pair[0] = a;
+                pair[1] = b;
+            }
+            if let [last] = pairs.into_remainder() {
+                *last = even[per_phase - 1];
             }
         } else {
-            for (x, d) in row.iter_mut().enumerate() {
-                let v = phases[x % s * per_phase + x / s];
-                *d = if accumulate { *d + v } else { v };
+            for (j, chunk) in row.chunks_mut(s).enumerate() {
+                for (r, d) in chunk.iter_mut().enumerate() {
+                    let v = phases[r * per_phase + j];
+                    *d = if accumulate { *d + v } else { v };
+                }
             }
         }
         if !ep.is_empty() {
@@ -272,6 +387,7 @@ fn data_nchw<const F: bool>(
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 fn data_nhwc<const F: bool>(
+    plan: &DwBackwardPlan,
     g: &Geometry,
     weights: &[f32],
     dy: &[f32],
@@ -289,15 +405,15 @@ fn data_nhwc<const F: bool>(
             dst.fill(0.0);
         }
         for ky in 0..g.kh {
-            let Some(oy) = source_row(g, iy, ky) else {
+            let oy = plan.src_y[iy * g.kh + ky];
+            if oy == NONE {
                 continue;
-            };
+            }
             for kx in 0..g.kw {
-                let t = (ix + g.pad_left) as isize - (kx * g.dw) as isize;
-                if t < 0 || !(t as usize).is_multiple_of(g.sw) || t as usize / g.sw >= g.ow {
+                let ox = plan.src_x[ix * g.kw + kx];
+                if ox == NONE {
                     continue;
                 }
-                let ox = t as usize / g.sw;
                 let src = &dy[((n * g.oh + oy) * g.ow + ox) * g.c_out..][..g.c_out];
                 let wts = &weights[(ky * g.kw + kx) * g.c_out..][..g.c_out];
                 if m == 1 {
@@ -319,78 +435,112 @@ fn data_nhwc<const F: bool>(
     }
 }
 
-/// `Σ a·b` with 32 lanes of partial sums (four vectors' worth of independent chains).
+/// One output channel's weight gradient (NCHW). Per image, the input channel is copied
+/// once into a zero-padded plane of stride phases (every row a tap row reads, each split into
+/// the `s` phases of its columns); then per output row and tap row, the output-gradient row
+/// (zero-padded to whole lanes) times each tap column's phase at its offset, summed into
+/// `LANES` partial sums per tap that are reduced once at the end.
 #[inline(always)]
-fn dot<const F: bool>(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0.0f32; 32];
-    let (ac, bc) = (a.chunks_exact(32), b.chunks_exact(32));
-    let tail: f32 = ac
-        .remainder()
-        .iter()
-        .zip(bc.remainder())
-        .map(|(&x, &y)| x * y)
-        .sum();
-    for (x, y) in ac.zip(bc) {
-        for i in 0..32 {
-            acc[i] = madd::<F>(x[i], y[i], acc[i]);
-        }
-    }
-    acc.iter().sum::<f32>() + tail
-}
-
-/// One output channel's weight gradient (NCHW): per image, output row and tap row, one dot
-/// product per tap column against the zero-padded input row's stride phases.
-#[inline(always)]
+#[allow(clippy::too_many_arguments)]
 fn weights_nchw<const F: bool>(
+    plan: &DwBackwardPlan,
     g: &Geometry,
     x: &[f32],
     dy: &[f32],
     dw: &mut [f32],
     accumulate: bool,
-    phases: &mut [f32],
+    scratch: &mut [f32],
     oc: usize,
 ) {
-    let (m, s) = (g.cout_g(), g.sw);
+    let (m, s, taps) = (g.cout_g(), g.sw, g.kh * g.kw);
     let c = oc / m;
-    let len = phase_len(g);
-    let taps = &mut dw[oc * g.kh * g.kw..][..g.kh * g.kw];
-    if !accumulate {
-        taps.fill(0.0);
-    }
+    let (owp, len, rows) = (padded_ow(g), phase_len(g), padded_rows(g));
+    let (dy_pad, rest) = scratch.split_at_mut(owp);
+    let (plane, rest) = rest.split_at_mut(rows * s * len);
+    let sums = &mut rest[..taps * LANES];
+    sums.fill(0.0);
+    dy_pad[g.ow..].fill(0.0);
     for n in 0..g.batch {
-        for oy in 0..g.oh {
-            let dy_row = &dy[((n * g.c_out + oc) * g.oh + oy) * g.ow..][..g.ow];
-            for ky in 0..g.kh {
-                let iy = (oy * g.sh + ky * g.dh) as isize - g.pad_top as isize;
-                if iy < 0 || iy as usize >= g.h {
+        // plane[(pr·s + r)·len + j] = input[pr − pad_top][j·s + r − pad_left], zero outside.
+        plane.fill(0.0);
+        for pr in 0..rows {
+            let iy = pr as isize - g.pad_top as isize;
+            if iy < 0 || iy as usize >= g.h {
+                continue;
+            }
+            let row = &x[((n * g.c_in + c) * g.h + iy as usize) * g.w..][..g.w];
+            for r in 0..s {
+                let off = r as isize - g.pad_left as isize;
+                let js = super::backward_gemm::inside(s, off, g.w, len);
+                if js.is_empty() {
                     continue;
                 }
-                let row = &x[((n * g.c_in + c) * g.h + iy as usize) * g.w..][..g.w];
-                // phases[r·len + j] = row[j·s + r − pad_left], zero outside the row.
-                for r in 0..s {
-                    for (j, v) in phases[r * len..][..len].iter_mut().enumerate() {
-                        let ix = (j * s + r) as isize - g.pad_left as isize;
-                        *v = if ix >= 0 && (ix as usize) < g.w {
-                            row[ix as usize]
-                        } else {
-                            0.0
-                        };
+                let dst = &mut plane[(pr * s + r) * len..][js.clone()];
+                let x0 = (js.start as isize * s as isize + off) as usize;
+                if s == 1 {
+                    dst.copy_from_slice(&row[x0..][..dst.len()]);
+                } else {
+                    for (d, &v) in dst.iter_mut().zip(row[x0..].iter().step_by(s)) {
+                        *d = v;
                     }
-                }
-                for kx in 0..g.kw {
-                    let (r, base) = (kx * g.dw % s, kx * g.dw / s);
-                    let src = &phases[r * len + base..][..g.ow];
-                    taps[ky * g.kw + kx] += dot::<F>(dy_row, src);
                 }
             }
         }
+        for oy in 0..g.oh {
+            dy_pad[..g.ow].copy_from_slice(&dy[((n * g.c_out + oc) * g.oh + oy) * g.ow..][..g.ow]);
+            for ky in 0..g.kh {
+                let phases = &plane[(oy * g.sh + ky * g.dh) * s * len..][..s * len];
+                // Up to four tap columns at a time: independent chains, one load of dy each.
+                for kx0 in (0..g.kw).step_by(4) {
+                    let src = |q: usize| {
+                        let [r, base] = plan.wtaps[kx0 + q];
+                        &phases[r * len + base..][..owp]
+                    };
+                    let acc = &mut sums[(ky * g.kw + kx0) * LANES..];
+                    match g.kw - kx0 {
+                        1 => tap_sums::<1, F>(dy_pad, [src(0)], acc),
+                        2 => tap_sums::<2, F>(dy_pad, [src(0), src(1)], acc),
+                        3 => tap_sums::<3, F>(dy_pad, [src(0), src(1), src(2)], acc),
+                        _ => tap_sums::<4, F>(dy_pad, [src(0), src(1), src(2), src(3)], acc),
+                    }
+                }
+            }
+        }
+    }
+    let dst = &mut dw[oc * taps..][..taps];
+    for (t, d) in dst.iter_mut().enumerate() {
+        let v: f32 = sums[t * LANES..][..LANES].iter().sum();
+        *d = if accumulate { *d + v } else { v };
+    }
+}
+
+/// `acc[q·LANES + i] += Σ_c d[c·LANES + i] · srcs[q][c·LANES + i]` for `K` tap columns: `K`
+/// independent chains of partial sums, kept in registers over the row.
+#[inline(always)]
+fn tap_sums<const K: usize, const F: bool>(d: &[f32], srcs: [&[f32]; K], acc: &mut [f32]) {
+    let mut lanes = [[0.0f32; LANES]; K];
+    for (q, l) in lanes.iter_mut().enumerate() {
+        l.copy_from_slice(&acc[q * LANES..][..LANES]);
+    }
+    for (c, dc) in d.chunks_exact(LANES).enumerate() {
+        for (l, src) in lanes.iter_mut().zip(&srcs) {
+            let x = &src[c * LANES..][..LANES];
+            for i in 0..LANES {
+                l[i] = madd::<F>(dc[i], x[i], l[i]);
+            }
+        }
+    }
+    for (q, l) in lanes.iter().enumerate() {
+        acc[q * LANES..][..LANES].copy_from_slice(l);
     }
 }
 
 /// A block of output channels' weight gradients (NHWC): tap sums over every pixel, a
 /// multiply-add over the block's channels, kept tap-major in `sums` and stored at the end.
 #[inline(always)]
+#[allow(clippy::too_many_arguments)]
 fn weights_nhwc<const F: bool>(
+    _plan: &DwBackwardPlan,
     g: &Geometry,
     x: &[f32],
     dy: &[f32],

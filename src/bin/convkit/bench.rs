@@ -3,6 +3,7 @@
 
 use crate::args::{CliError, CliResult, Flags};
 use crate::layers::{self, im2col_bytes, Layer, Prepared};
+use crate::passes::Pass;
 use crate::{peak, resolve_isa, setup_threads};
 use convkit::{Algorithm, Conv2d, Error, Options, Workspace};
 use std::time::{Duration, Instant};
@@ -108,6 +109,7 @@ pub fn main(args: &[String]) -> CliResult<bool> {
             "peak",
             "dtype",
             "batch",
+            "pass",
         ],
         &["csv"],
     )?;
@@ -126,6 +128,16 @@ pub fn main(args: &[String]) -> CliResult<bool> {
         ));
     }
     let dtype: Dtype = flags.parsed("dtype")?.unwrap_or(Dtype::F32);
+    let pass: Pass = flags.parsed("pass")?.unwrap_or(Pass::Forward);
+    if pass != Pass::Forward
+        && (dtype != Dtype::F32
+            || flags.get("algorithm").is_some()
+            || flags.get("kernel").is_some())
+    {
+        return Err(CliError::Usage(
+            "--pass other than forward runs --dtype f32 with convkit's own choice (no --algorithm or --kernel)".into(),
+        ));
+    }
     let (threads, workers) = setup_threads(flags.parsed("threads")?)?;
     let kernel = match flags.get("kernel") {
         Some(name) => Some(convkit::cpu::find_kernel(name)?),
@@ -198,6 +210,9 @@ pub fn main(args: &[String]) -> CliResult<bool> {
         // Timed from inside the pool, as an engine that embeds convkit runs it: the calling
         // thread is one of the workers instead of waking all of them on every run.
         let run = || match dtype {
+            Dtype::F32 if pass != Pass::Forward => {
+                crate::passes::bench_layer(layer, options, reps, pass)
+            }
             Dtype::F32 => bench_layer(layer, options, reps),
             q => crate::qcli::bench_layer(layer, options, reps, q),
         };

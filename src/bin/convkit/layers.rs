@@ -125,7 +125,7 @@ pub fn zeros(len: usize, what: &'static str) -> convkit::Result<Vec<f32>> {
 }
 
 /// `len` pseudo-random values, the same on every run for the same (layer, tensor).
-fn randn(layer: &str, tensor: &'static str, len: usize) -> convkit::Result<Vec<f32>> {
+pub fn randn(layer: &str, tensor: &'static str, len: usize) -> convkit::Result<Vec<f32>> {
     // FNV-1a of the names: each layer and tensor gets its own stream.
     let seed = layer
         .bytes()

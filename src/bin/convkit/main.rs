@@ -7,6 +7,7 @@ mod check;
 #[cfg(feature = "gpu")]
 mod gpu;
 mod layers;
+mod passes;
 mod peak;
 mod qcli;
 mod run;
@@ -24,9 +25,12 @@ Usage:
   convkit bench [--layers FILE] [--only NAME,...] [--threads N] [--isa LEVEL]
                 [--layout nchw|nhwc] [--algorithm NAME] [--kernel NAME] [--precision P] [--reps N]
                 [--dtype f32|u8|i8] [--batch N] [--peak GFLOPS] [--csv]
+                [--pass forward|backward-data|backward-weights|transposed]
       Check each layer once against the reference, then time it (median of --reps,
       default 7, repetitions of >= 20 ms each). --dtype u8|i8: quantized (GOP/s).
-      --batch N runs every layer at batch N instead of the suite's.
+      --batch N runs every layer at batch N instead of the suite's. --pass: the layer's
+      input gradient, weight (and bias) gradient, or its transposed convolution (channels
+      swapped, output padding to the layer's input size), f32.
   convkit bench --device gpu [--adapter NAME] [--batch N] [--layers FILE] [--only NAME,...]
                 [--layout nchw|nhwc] [--reps N] [--csv]
       Each layer on the GPU (feature `gpu`): checked against the CPU path, then the median
@@ -49,6 +53,16 @@ Usage:
               --y-scale F --y-zero-point Z --output Y.npy [--threads N] [--isa LEVEL]
       One quantized convolution (ONNX QLinearConv): input uint8/int8 (as --dtype), weights
       int8, bias int32 [c_out], weight scales float32 [c_out] or [1]; writes --dtype.
+  convkit run --pass backward-data --layer ... --grad-output DY.npy --weight W.npy --output DX.npy
+  convkit run --pass backward-weights --layer ... --input X.npy --grad-output DY.npy
+              --output DW.npy [--grad-bias DB.npy]
+      The gradients of the --layer convolution (no activation), as PyTorch's autograd gives
+      them: DY [n,c_out,out_h,out_w], DX like the input, DW like the weights, DB [c_out].
+  convkit run --pass transposed --layer N,C_IN,H,W,C_OUT,KH,KW,SH,SW,PH,PW,DH,DW,GROUPS
+              [--output-padding P | PH,PW] --input X.npy --weight W.npy [--bias B.npy]
+              --output Y.npy
+      A transposed convolution (PyTorch's ConvTranspose2d/1d): --layer describes it, input
+      [n,c_in,h,w], weights [c_in,c_out/groups,kh,kw], bias [c_out].
   convkit help
 
 Options:

@@ -3,6 +3,7 @@
 use crate::args::{CliError, CliResult, Flags};
 use crate::bench::Dtype;
 use crate::layers::zeros;
+use crate::passes::Pass;
 use crate::{resolve_isa, setup_threads};
 use convkit::{Conv2d, Options, Workspace};
 use npyz::WriterBuilder;
@@ -28,10 +29,23 @@ pub fn main(args: &[String]) -> CliResult<bool> {
             "x-zero-point",
             "y-scale",
             "y-zero-point",
+            "pass",
+            "grad-output",
+            "grad-bias",
+            "output-padding",
         ],
         &[],
     )?;
     let dtype: Dtype = flags.parsed("dtype")?.unwrap_or(Dtype::F32);
+    let pass: Pass = flags.parsed("pass")?.unwrap_or(Pass::Forward);
+    if pass != Pass::Forward {
+        if dtype != Dtype::F32 {
+            return Err(CliError::Usage(
+                "--pass other than forward runs --dtype f32 only".into(),
+            ));
+        }
+        return crate::passes::run(&flags, pass);
+    }
     if dtype != Dtype::F32 {
         return crate::qcli::run(&flags, dtype);
     }
