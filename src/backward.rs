@@ -305,8 +305,16 @@ struct BackwardInner {
 
 enum WeightPath {
     Gemm(WeightGrad),
+    /// The depthwise kernels, with the backward-data pass's `DwBackward`.
     Depthwise,
+    /// The NCHW per-channel kernel for groups of few channels (ResNeXt's 4 a group), where a
+    /// GEMM per tap would be a few rows and columns of a register tile.
+    Direct(DwBackward),
 }
+
+/// The most input channels a group for which NCHW weight gradients run the per-channel
+/// kernel instead of the GEMMs.
+const DIRECT_MAX_CIN: usize = 8;
 
 impl ConvBackward {
     /// Validates `params` (the forward convolution, activation `None`) and `weights` (OIHW) and
@@ -346,6 +354,13 @@ impl ConvBackward {
         )?;
         let weights = match DwBackward::rejects(&params) {
             None => WeightPath::Depthwise,
+            Some(_)
+                if params.layout == Layout::Nchw
+                    && params.groups > 1
+                    && params.in_channels_per_group() <= DIRECT_MAX_CIN =>
+            {
+                WeightPath::Direct(DwBackward::new(&params, weights, isa))
+            }
             Some(_) => WeightPath::Gemm(WeightGrad::new(isa)),
         };
         Ok(ConvBackward {
@@ -370,6 +385,9 @@ impl ConvBackward {
         let data = inner.data.plan(&geometry)?;
         let weights = match &inner.weights {
             WeightPath::Gemm(w) => WeightPlan::Gemm(w.plan(&geometry, workers(inner.threads))),
+            WeightPath::Direct(d) => {
+                WeightPlan::Depthwise(d.plan(&geometry, workers(inner.threads)))
+            }
             WeightPath::Depthwise => match &inner.data.depthwise {
                 Some(d) => WeightPlan::Depthwise(d.plan(&geometry, workers(inner.threads))),
                 None => unreachable!("depthwise weights are packed for depthwise convolutions"),
@@ -440,6 +458,7 @@ impl BackwardPlan {
         let inner = &self.inner;
         let weights = match &inner.weights {
             WeightPath::Gemm(w) => format!("tap_gemm/{}", w.kernel_name()),
+            WeightPath::Direct(d) => d.kernel_name(),
             WeightPath::Depthwise => inner
                 .data
                 .depthwise
@@ -505,6 +524,9 @@ impl BackwardPlan {
         let scratch = ws.floats(self.workspace_bytes() / 4)?;
         let add = accumulate == Accumulate::Add;
         match (&self.inner.weights, &self.weights) {
+            (WeightPath::Direct(d), WeightPlan::Depthwise(p)) => {
+                d.run_weights(p, g, input, grad_output, grad_weights, add, scratch)
+            }
             (WeightPath::Gemm(w), WeightPlan::Gemm(p)) => {
                 w.run(p, g, input, grad_output, grad_weights, add, scratch)
             }

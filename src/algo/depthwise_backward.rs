@@ -151,7 +151,7 @@ impl DwBackward {
     }
 
     pub(crate) fn kernel_name(&self) -> String {
-        format!("dw_backward_f32_{}", self.isa.name())
+        format!("channel_backward_f32_{}", self.isa.name())
     }
 
     pub(crate) fn plan(&self, g: &Geometry, threads: usize) -> DwBackwardPlan {
@@ -160,7 +160,9 @@ impl DwBackward {
                 g.batch * g.c_in,
                 g.c_out,
                 g.sw * g.w.div_ceil(g.sw),
-                padded_ow(g) + padded_rows(g) * g.sw * phase_len(g) + g.kh * g.kw * LANES,
+                g.oh * padded_ow(g)
+                    + (padded_rows(g) + 1) * g.sw * phase_len(g)
+                    + g.k_len() * LANES,
             ),
             Layout::Nhwc => (
                 g.batch * g.h,
@@ -273,7 +275,7 @@ impl DwBackward {
             Layout::Nchw => g.c_out,
             Layout::Nhwc => g.c_out.div_ceil(NHWC_CHANNELS),
         };
-        let len = g.c_out * g.kh * g.kw;
+        let len = g.c_out * g.k_len();
         for_each_worker(plan.workers, items, scratch, |s, item| {
             // SAFETY: an item writes the weights of its output channels only, within `dw`
             // (its length was checked). The ISA was checked against the CPU at create.
@@ -435,11 +437,13 @@ fn data_nhwc<const F: bool>(
     }
 }
 
-/// One output channel's weight gradient (NCHW). Per image, the input channel is copied
-/// once into a zero-padded plane of stride phases (every row a tap row reads, each split into
-/// the `s` phases of its columns); then per output row and tap row, the output-gradient row
-/// (zero-padded to whole lanes) times each tap column's phase at its offset, summed into
-/// `LANES` partial sums per tap that are reduced once at the end.
+/// One output channel's weight gradient (NCHW; any group with few channels, not only
+/// depthwise). Per image: the output-gradient plane is copied once with its rows zero-padded
+/// to whole lanes, and each input channel of the group once into a zero-padded plane of
+/// stride phases (every row a tap row reads, each split into the `s` phases of its columns).
+/// Then per tap row and block of up to four tap columns, one pass over the output rows
+/// multiplies each lane-chunk of output gradient by the chunk each tap reads, into partial
+/// sums that stay in registers for the whole pass.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 fn weights_nchw<const F: bool>(
@@ -452,86 +456,141 @@ fn weights_nchw<const F: bool>(
     scratch: &mut [f32],
     oc: usize,
 ) {
-    let (m, s, taps) = (g.cout_g(), g.sw, g.kh * g.kw);
-    let c = oc / m;
+    let (cin_g, s, taps) = (g.cin_g(), g.sw, g.kh * g.kw);
+    let c0 = oc / g.cout_g() * cin_g; // the group's first input channel
     let (owp, len, rows) = (padded_ow(g), phase_len(g), padded_rows(g));
-    let (dy_pad, rest) = scratch.split_at_mut(owp);
+    let (dy_plane, rest) = scratch.split_at_mut(g.oh * owp);
     let (plane, rest) = rest.split_at_mut(rows * s * len);
-    let sums = &mut rest[..taps * LANES];
+    let (padded, rest) = rest.split_at_mut(s * len);
+    let sums = &mut rest[..cin_g * taps * LANES];
     sums.fill(0.0);
-    dy_pad[g.ow..].fill(0.0);
     for n in 0..g.batch {
-        // plane[(pr·s + r)·len + j] = input[pr − pad_top][j·s + r − pad_left], zero outside.
-        plane.fill(0.0);
-        for pr in 0..rows {
-            let iy = pr as isize - g.pad_top as isize;
-            if iy < 0 || iy as usize >= g.h {
-                continue;
-            }
-            let row = &x[((n * g.c_in + c) * g.h + iy as usize) * g.w..][..g.w];
-            for r in 0..s {
-                let off = r as isize - g.pad_left as isize;
-                let js = super::backward_gemm::inside(s, off, g.w, len);
-                if js.is_empty() {
+        let dy_c = &dy[(n * g.c_out + oc) * g.oh * g.ow..][..g.oh * g.ow];
+        for (dst, src) in dy_plane.chunks_exact_mut(owp).zip(dy_c.chunks_exact(g.ow)) {
+            dst[..g.ow].copy_from_slice(src);
+            dst[g.ow..].fill(0.0);
+        }
+        for ci in 0..cin_g {
+            // plane[(pr·s + r)·len + j] = input[pr − pad_top][j·s + r − pad_left], zero
+            // outside: each row zero-padded into `padded`, then split into its phases.
+            let (xs, rest) = padded.split_at_mut(g.pad_left.min(s * len));
+            xs.fill(0.0);
+            let copied = g.w.min(rest.len());
+            rest[copied..].fill(0.0);
+            for pr in 0..rows {
+                let dst = &mut plane[pr * s * len..][..s * len];
+                let iy = pr as isize - g.pad_top as isize;
+                if iy < 0 || iy as usize >= g.h {
+                    dst.fill(0.0);
                     continue;
                 }
-                let dst = &mut plane[(pr * s + r) * len..][js.clone()];
-                let x0 = (js.start as isize * s as isize + off) as usize;
+                let row = &x[((n * g.c_in + c0 + ci) * g.h + iy as usize) * g.w..][..copied];
                 if s == 1 {
-                    dst.copy_from_slice(&row[x0..][..dst.len()]);
+                    dst[..g.pad_left.min(len)].fill(0.0);
+                    dst[g.pad_left.min(len)..][..copied].copy_from_slice(row);
+                    dst[(g.pad_left + copied).min(len)..].fill(0.0);
+                    continue;
+                }
+                padded[g.pad_left.min(s * len)..][..copied].copy_from_slice(row);
+                let (even, odd) = dst.split_at_mut(len);
+                if s == 2 {
+                    // 16 pixels at a time, a fixed-size shuffle the compiler vectorises.
+                    for (src, e) in padded.chunks_exact(16).zip(even.chunks_exact_mut(8)) {
+                        for i in 0..8 {
+                            e[i] = src[2 * i];
+                        }
+                    }
+                    for (src, o) in padded.chunks_exact(16).zip(odd.chunks_exact_mut(8)) {
+                        for i in 0..8 {
+                            o[i] = src[2 * i + 1];
+                        }
+                    }
+                    let done = len / 8 * 8;
+                    for j in done..len {
+                        (even[j], odd[j]) = (padded[2 * j], padded[2 * j + 1]);
+                    }
                 } else {
-                    for (d, &v) in dst.iter_mut().zip(row[x0..].iter().step_by(s)) {
-                        *d = v;
+                    for (j, chunk) in padded.chunks_exact(s).enumerate() {
+                        for (r, &v) in chunk.iter().enumerate() {
+                            dst[r * len + j] = v;
+                        }
                     }
                 }
             }
-        }
-        for oy in 0..g.oh {
-            dy_pad[..g.ow].copy_from_slice(&dy[((n * g.c_out + oc) * g.oh + oy) * g.ow..][..g.ow]);
             for ky in 0..g.kh {
-                let phases = &plane[(oy * g.sh + ky * g.dh) * s * len..][..s * len];
-                // Up to four tap columns at a time: independent chains, one load of dy each.
                 for kx0 in (0..g.kw).step_by(4) {
-                    let src = |q: usize| {
-                        let [r, base] = plan.wtaps[kx0 + q];
-                        &phases[r * len + base..][..owp]
+                    let pass = TapPass {
+                        g,
+                        dy_plane,
+                        plane,
+                        ky,
+                        offsets: &plan.wtaps[kx0..],
+                        owp,
+                        len,
                     };
-                    let acc = &mut sums[(ky * g.kw + kx0) * LANES..];
+                    let acc = &mut sums[(ci * taps + ky * g.kw + kx0) * LANES..];
                     match g.kw - kx0 {
-                        1 => tap_sums::<1, F>(dy_pad, [src(0)], acc),
-                        2 => tap_sums::<2, F>(dy_pad, [src(0), src(1)], acc),
-                        3 => tap_sums::<3, F>(dy_pad, [src(0), src(1), src(2)], acc),
-                        _ => tap_sums::<4, F>(dy_pad, [src(0), src(1), src(2), src(3)], acc),
+                        1 => pass.run::<1, F>(acc),
+                        2 => pass.run::<2, F>(acc),
+                        3 => pass.run::<3, F>(acc),
+                        _ => pass.run::<4, F>(acc),
                     }
                 }
             }
         }
     }
-    let dst = &mut dw[oc * taps..][..taps];
+    let dst = &mut dw[oc * cin_g * taps..][..cin_g * taps];
     for (t, d) in dst.iter_mut().enumerate() {
         let v: f32 = sums[t * LANES..][..LANES].iter().sum();
         *d = if accumulate { *d + v } else { v };
     }
 }
 
-/// `acc[q·LANES + i] += Σ_c d[c·LANES + i] · srcs[q][c·LANES + i]` for `K` tap columns: `K`
-/// independent chains of partial sums, kept in registers over the row.
-#[inline(always)]
-fn tap_sums<const K: usize, const F: bool>(d: &[f32], srcs: [&[f32]; K], acc: &mut [f32]) {
-    let mut lanes = [[0.0f32; LANES]; K];
-    for (q, l) in lanes.iter_mut().enumerate() {
-        l.copy_from_slice(&acc[q * LANES..][..LANES]);
-    }
-    for (c, dc) in d.chunks_exact(LANES).enumerate() {
-        for (l, src) in lanes.iter_mut().zip(&srcs) {
-            let x = &src[c * LANES..][..LANES];
-            for i in 0..LANES {
-                l[i] = madd::<F>(dc[i], x[i], l[i]);
+/// One pass of [`weights_nchw`]: tap row `ky`, the tap columns whose (phase, offset) are
+/// `offsets`, over every output row.
+struct TapPass<'a> {
+    g: &'a Geometry,
+    dy_plane: &'a [f32],
+    plane: &'a [f32],
+    ky: usize,
+    offsets: &'a [[usize; 2]],
+    owp: usize,
+    len: usize,
+}
+
+impl TapPass<'_> {
+    /// `acc[q·LANES + i] += Σ over output rows and lane-chunks c of dy[c·LANES + i] ·
+    /// tap_q[c·LANES + i]`, for `K` tap columns: `K` independent chains (twice as many
+    /// registers at AVX2), in registers for the whole pass.
+    #[inline(always)]
+    fn run<const K: usize, const F: bool>(&self, acc: &mut [f32]) {
+        let g = self.g;
+        let (s, len) = (g.sw, self.len);
+        let mut lanes = [[0.0f32; LANES]; K];
+        let mut offs = [0usize; K];
+        for (q, o) in offs.iter_mut().enumerate() {
+            let [r, base] = self.offsets[q];
+            *o = r * len + base;
+        }
+        for oy in 0..g.oh {
+            let d = &self.dy_plane[oy * self.owp..][..self.owp];
+            let phases = &self.plane[(oy * g.sh + self.ky * g.dh) * s * len..][..s * len];
+            for c in 0..self.owp / LANES {
+                let dc = &d[c * LANES..][..LANES];
+                for q in 0..K {
+                    let x = &phases[offs[q] + c * LANES..][..LANES];
+                    for i in 0..LANES {
+                        lanes[q][i] = madd::<F>(dc[i], x[i], lanes[q][i]);
+                    }
+                }
             }
         }
-    }
-    for (q, l) in lanes.iter().enumerate() {
-        acc[q * LANES..][..LANES].copy_from_slice(l);
+        for (q, l) in lanes.iter().enumerate() {
+            acc[q * LANES..][..LANES]
+                .iter_mut()
+                .zip(l)
+                .for_each(|(a, &v)| *a += v);
+        }
     }
 }
 
