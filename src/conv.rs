@@ -197,7 +197,7 @@ impl Conv2d {
     pub fn plan(&self, batch: usize, in_h: usize, in_w: usize) -> Result<Plan> {
         let geometry = self.inner.params.geometry(batch, in_h, in_w)?;
         let threads = match self.inner.threads {
-            0 => rayon::current_num_threads(),
+            0 => crate::algo::current_num_threads(),
             t => t,
         };
         let algo = match &self.inner.packed {

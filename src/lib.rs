@@ -39,6 +39,7 @@ pub mod gemm;
 pub mod gpu;
 mod params;
 mod plan;
+#[cfg(feature = "int8")]
 mod quant;
 pub mod reference;
 pub mod suite;
@@ -56,6 +57,7 @@ pub use epilogue::Activation;
 pub use error::{Error, Result};
 pub use params::{ConvParams, Geometry, Layout, Padding};
 pub use plan::Plan;
+#[cfg(feature = "int8")]
 pub use quant::{QConv1d, QConv2d, QElement, QPlan, QuantOutput, QuantParams, QuantType};
 
 /// The README's examples, compiled and run as doctests so that they stay true.
