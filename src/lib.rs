@@ -30,6 +30,8 @@
 
 mod algo;
 mod buffer;
+#[cfg(feature = "capi")]
+pub mod capi;
 mod conv;
 pub mod cpu;
 mod epilogue;
