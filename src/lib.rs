@@ -28,6 +28,8 @@
 //! # Ok::<(), convkit::Error>(())
 //! ```
 
+#![warn(missing_docs)]
+
 mod algo;
 mod buffer;
 #[cfg(feature = "capi")]

@@ -121,6 +121,7 @@ pub struct Comparison {
 }
 
 impl Comparison {
+    /// True if every output is finite where the reference is, and within its tolerance.
     pub fn passed(&self) -> bool {
         self.non_finite == 0 && self.worst_ratio <= 1.0
     }

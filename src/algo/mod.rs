@@ -44,6 +44,7 @@ impl Algorithm {
         Algorithm::Winograd,
     ];
 
+    /// The name `Options::algorithm`, `--algorithm` and `Plan::kernel_name` use.
     pub fn name(self) -> &'static str {
         match self {
             Algorithm::Im2colGemm => "im2col_gemm",

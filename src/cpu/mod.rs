@@ -363,8 +363,11 @@ impl Family {
 /// One generated kernel, as the registry describes it: what tests and benchmarks iterate.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct KernelInfo {
+    /// The kernel's name: family, data type, shape and ISA.
     pub name: &'static str,
+    /// The ISA level the kernel needs.
     pub isa: Isa,
+    /// The kernel family (which algorithm runs it).
     pub family: Family,
     /// The layout the kernel works in, where it has one.
     pub layout: Option<crate::Layout>,
