@@ -1551,3 +1551,47 @@ pub unsafe extern "C" fn convkit_qplan_destroy(plan: *mut convkit_qplan) {
         let _ = catch_unwind(AssertUnwindSafe(|| drop(boxed)));
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn last() -> String {
+        // SAFETY: the message is a NUL-terminated string owned by this thread, read at once.
+        unsafe { CStr::from_ptr(convkit_last_error_message()) }
+            .to_string_lossy()
+            .into_owned()
+    }
+
+    #[test]
+    fn a_panic_is_a_status_with_its_message() {
+        assert_eq!(call(|| panic!("boom {}", 7)), CONVKIT_ERROR_PANIC);
+        assert!(last().contains("boom 7"), "{}", last());
+        assert_eq!(call(|| Ok(())), CONVKIT_OK);
+        assert!(last().contains("boom 7"), "kept until the next failure");
+        assert_eq!(query(5, || panic!("in a query")), 5);
+    }
+
+    #[test]
+    fn every_error_has_its_status_and_name() {
+        let e = Error::WrongLength {
+            what: "input",
+            expected: 3,
+            got: 2,
+        };
+        assert_eq!(call(|| Err(e.into())), CONVKIT_ERROR_WRONG_LENGTH);
+        assert_eq!(last(), "input has 2 elements, expected 3");
+        for status in CONVKIT_OK..=CONVKIT_ERROR_PANIC {
+            // SAFETY: status names are static NUL-terminated strings.
+            let name = unsafe { CStr::from_ptr(convkit_status_name(status)) };
+            assert!(name.to_str().unwrap().starts_with("CONVKIT_"), "{status}");
+            assert_ne!(name.to_str().unwrap(), "CONVKIT_UNKNOWN_STATUS", "{status}");
+        }
+    }
+
+    #[test]
+    fn messages_with_nul_bytes_survive() {
+        set_last_error("a\0b");
+        assert_eq!(last(), "a b");
+    }
+}
