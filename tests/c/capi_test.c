@@ -8,6 +8,7 @@
 #include "convkit.h"
 
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -426,6 +427,75 @@ static void check_errors(convkit_workspace *workspace) {
     printf("ok  error cases\n");
 }
 
+
+/* Threads: one plan run by several threads at once, each with its own workspace, gives every
+   thread the same output; a failure on one thread leaves another's last error alone. */
+typedef struct {
+    const convkit_plan *plan;
+    const float *x;
+    float *y;
+    size_t in_len, out_len;
+    convkit_status status;
+    int message_kept;
+} worker_job;
+
+static void *worker(void *arg) {
+    worker_job *job = arg;
+    convkit_workspace *ws = NULL;
+    job->status = convkit_workspace_create(0, &ws);
+    for (int round = 0; round < 20 && job->status == CONVKIT_OK; round++)
+        job->status = convkit_plan_run(job->plan, job->x, job->in_len, job->y, job->out_len, ws);
+    /* This thread has not failed: its last error is still empty. */
+    job->message_kept = strcmp(convkit_last_error_message(), "") == 0;
+    convkit_workspace_destroy(ws);
+    return NULL;
+}
+
+static void check_threads(void) {
+    convkit_conv_params p;
+    OK(convkit_conv_params_init(&p, 16, 16, 3, 3));
+    p.padding = CONVKIT_PADDING_SAME;
+    float *wt = random_floats(16 * 16 * 9);
+    convkit_conv *conv = NULL;
+    convkit_plan *plan = NULL;
+    OK(convkit_conv_create(&p, wt, 16 * 16 * 9, NULL, 0, NULL, &conv));
+    OK(convkit_conv_plan(conv, 1, 20, 20, &plan));
+    convkit_conv_destroy(conv); /* the plan keeps what it needs */
+    if (!plan) {
+        free(wt);
+        return;
+    }
+    convkit_plan_info info;
+    OK(convkit_plan_get_info(plan, &info));
+    float *x = random_floats(info.input_len);
+    float *want = malloc(info.output_len * sizeof(float));
+    OK(convkit_plan_run(plan, x, info.input_len, want, info.output_len, NULL));
+    enum { N = 4 };
+    pthread_t tid[N];
+    worker_job jobs[N];
+    for (int i = 0; i < N; i++) {
+        jobs[i] = (worker_job){plan, x, malloc(info.output_len * sizeof(float)), info.input_len,
+                               info.output_len, -1, 0};
+        CHECK(pthread_create(&tid[i], NULL, worker, &jobs[i]) == 0, "pthread_create");
+    }
+    /* Meanwhile this thread fails: its own message changes, not the workers'. */
+    FAILS(CONVKIT_ERROR_WRONG_LENGTH, convkit_plan_run(plan, x, 1, want, info.output_len, NULL));
+    for (int i = 0; i < N; i++) {
+        pthread_join(tid[i], NULL);
+        CHECK(jobs[i].status == CONVKIT_OK, "thread %d: %s", i,
+              convkit_status_name(jobs[i].status));
+        CHECK(jobs[i].message_kept, "thread %d saw another thread's error", i);
+        CHECK(memcmp(jobs[i].y, want, info.output_len * sizeof(float)) == 0,
+              "thread %d: a different result", i);
+        free(jobs[i].y);
+    }
+    printf("ok  %d threads share one plan, each its own workspace\n", N);
+    convkit_plan_destroy(plan);
+    free(x);
+    free(want);
+    free(wt);
+}
+
 int main(void) {
     printf("convkit %s, ABI %u, best ISA %d\n", convkit_version(), convkit_abi_version(),
            convkit_best_isa());
@@ -510,6 +580,7 @@ int main(void) {
 
     check_int8(ws);
     check_errors(ws);
+    check_threads();
     convkit_workspace_destroy(ws);
 
     if (failures) {
