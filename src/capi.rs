@@ -233,7 +233,7 @@ pub struct convkit_options {
     pub algorithm: i32,
 }
 
-/// The quantization of an int8 convolution, as [`QuantParams`](crate::QuantParams).
+/// The quantization of an int8 convolution, as `convkit::QuantParams`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct convkit_quant_params {

@@ -347,7 +347,7 @@ pub enum Family {
     Direct,
     /// Winograd input and output transforms (the products run on the GEMM microkernels).
     Winograd,
-    /// int8 GEMM microkernels (quantized convolutions, [`QConv2d`](crate::QConv2d)).
+    /// int8 GEMM microkernels (quantized convolutions, `QConv2d`; feature `int8`).
     QGemm,
     /// int8 depthwise kernels (quantized depthwise convolutions).
     QDepthwise,
