@@ -57,6 +57,21 @@ impl AlignedBuf {
 /// Scratch memory for [`Plan::run`](crate::Plan::run): a 64-byte aligned arena that only
 /// grows. Share one between every layer of a network: the scratch of one layer is the scratch
 /// of the next, so a network costs its largest layer's workspace, not the sum.
+///
+/// ```
+/// use convkit::{Conv2d, ConvParams, Options, Workspace};
+///
+/// let a = Conv2d::new(ConvParams::conv2d(8, 32, [1, 1]), &[0.1; 256], None, Options::default())?;
+/// let b = Conv2d::new(ConvParams::conv2d(32, 8, [1, 1]), &[0.1; 256], None, Options::default())?;
+/// let (pa, pb) = (a.plan(1, 14, 14)?, b.plan(1, 14, 14)?);
+/// let mut ws = Workspace::new(); // one arena for both layers
+/// let x = vec![1.0; pa.input_len()];
+/// let (mut t, mut y) = (vec![0.0; pa.output_len()], vec![0.0; pb.output_len()]);
+/// pa.run(&x, &mut t, &mut ws)?;
+/// pb.run(&t, &mut y, &mut ws)?;
+/// assert!(ws.bytes() >= pa.workspace_bytes().max(pb.workspace_bytes()));
+/// # Ok::<(), convkit::Error>(())
+/// ```
 #[derive(Default)]
 pub struct Workspace {
     buf: AlignedBuf,

@@ -63,6 +63,23 @@ pub(crate) struct ConvInner {
 }
 
 /// A 2-D convolution with its weights packed: immutable, `Send + Sync`, cheap to clone.
+///
+/// ```
+/// use convkit::{Conv2d, ConvParams, Layout, Options, Padding, Workspace};
+///
+/// // A depthwise 3x3 (groups == channels) on NHWC tensors.
+/// let params = ConvParams::conv2d(32, 32, [3, 3])
+///     .with_groups(32)
+///     .with_padding(Padding::Same)
+///     .with_layout(Layout::Nhwc);
+/// let conv = Conv2d::new(params, &vec![1.0 / 9.0; 32 * 9], None, Options::default())?;
+/// assert_eq!(conv.algorithm().name(), "depthwise");
+/// let plan = conv.plan(1, 16, 16)?;
+/// let mut out = vec![0.0; plan.output_len()];
+/// plan.run(&vec![1.0; plan.input_len()], &mut out, &mut Workspace::new())?;
+/// assert!((out[(8 * 16 + 8) * 32] - 1.0).abs() < 1e-6); // an inner pixel: the mean of ones
+/// # Ok::<(), convkit::Error>(())
+/// ```
 #[derive(Clone)]
 pub struct Conv2d {
     inner: Arc<ConvInner>,
@@ -180,6 +197,7 @@ impl Conv2d {
         })
     }
 
+    /// The parameters the convolution was created with.
     pub fn params(&self) -> &ConvParams {
         &self.inner.params
     }
@@ -189,6 +207,7 @@ impl Conv2d {
         self.inner.isa
     }
 
+    /// The algorithm the convolution runs (chosen at create time).
     pub fn algorithm(&self) -> Algorithm {
         self.inner.algorithm
     }
@@ -197,7 +216,7 @@ impl Conv2d {
     pub fn plan(&self, batch: usize, in_h: usize, in_w: usize) -> Result<Plan> {
         let geometry = self.inner.params.geometry(batch, in_h, in_w)?;
         let threads = match self.inner.threads {
-            0 => rayon::current_num_threads(),
+            0 => crate::algo::current_num_threads(),
             t => t,
         };
         let algo = match &self.inner.packed {
@@ -324,6 +343,20 @@ pub(crate) fn check_1d(params: &ConvParams) -> Result<()> {
 
 /// A 1-D convolution: a thin front over [`Conv2d`] with height 1. Weights are
 /// `out x in/groups x kernel`; tensors are NCW (or NWC with `Layout::Nhwc`).
+///
+/// ```
+/// use convkit::{Conv1d, ConvParams, Options, Padding, Workspace};
+///
+/// // Whisper's first layer: 80 mel channels -> 384, kernel 3, "same" padding.
+/// let params = ConvParams::conv1d(80, 384, 3).with_padding(Padding::Same);
+/// let conv = Conv1d::new(params, &vec![0.001; 384 * 80 * 3], None, Options::default())?;
+/// let plan = conv.plan(1, 3000)?; // batch 1, 3000 frames
+/// assert_eq!(plan.output_shape(), [1, 384, 1, 3000]);
+/// let mut out = vec![0.0; plan.output_len()];
+/// plan.run(&vec![1.0; plan.input_len()], &mut out, &mut Workspace::new())?;
+/// assert!((out[1500] - 80.0 * 3.0 * 0.001).abs() < 1e-4);
+/// # Ok::<(), convkit::Error>(())
+/// ```
 #[derive(Clone)]
 pub struct Conv1d {
     conv: Conv2d,

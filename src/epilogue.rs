@@ -5,6 +5,7 @@ use crate::{Error, Result};
 /// The activation applied after bias and residual, fused into the convolution's store.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub enum Activation {
+    /// No activation: the identity.
     #[default]
     None,
     /// max(x, 0)
@@ -12,9 +13,17 @@ pub enum Activation {
     /// min(max(x, 0), 6)
     Relu6,
     /// min(max(x, min), max)
-    Clamp { min: f32, max: f32 },
+    Clamp {
+        /// The lower bound.
+        min: f32,
+        /// The upper bound.
+        max: f32,
+    },
     /// x if x > 0 else alpha·x
-    LeakyRelu { alpha: f32 },
+    LeakyRelu {
+        /// The slope below 0.
+        alpha: f32,
+    },
     /// x·sigmoid(x)
     Silu,
     /// x·Φ(x) with the exact (erf) Gaussian CDF

@@ -6,12 +6,18 @@
 pub enum Error {
     /// A size or step that must be at least 1 was 0.
     #[error("{what} must be at least 1, got 0")]
-    Zero { what: &'static str },
+    Zero {
+        /// Which size or step.
+        what: &'static str,
+    },
     /// Channels are not a multiple of the group count.
     #[error("{what} ({channels}) is not divisible by groups ({groups})")]
     NotDivisibleByGroups {
+        /// Which channel count.
         what: &'static str,
+        /// The channel count.
         channels: usize,
+        /// The group count.
         groups: usize,
     },
     /// The dilated kernel does not fit in the padded input.
@@ -20,49 +26,83 @@ pub enum Error {
          {padded} (input {input} + padding {pad_begin}+{pad_end})"
     )]
     KernelTooLarge {
+        /// `"height"` or `"width"`.
         axis: &'static str,
+        /// The kernel size along the axis.
         kernel: usize,
+        /// The dilation along the axis.
         dilation: usize,
+        /// The dilated kernel's extent, `(kernel - 1) · dilation + 1`.
         span: usize,
+        /// The padded input's size.
         padded: usize,
+        /// The input's size.
         input: usize,
+        /// Padding before the input.
         pad_begin: usize,
+        /// Padding after the input.
         pad_end: usize,
     },
     /// A product of sizes does not fit in memory addresses.
     #[error("size overflow: {what} does not fit in usize/isize")]
-    Overflow { what: &'static str },
+    Overflow {
+        /// Which product.
+        what: &'static str,
+    },
     /// A slice has the wrong number of elements.
     #[error("{what} has {got} elements, expected {expected}")]
     WrongLength {
+        /// Which tensor.
         what: &'static str,
+        /// The length it must have.
         expected: usize,
+        /// The length it has.
         got: usize,
     },
     /// A parameter value that is out of its domain (NaN bounds, min > max, …).
     #[error("invalid {what}: {detail}")]
-    InvalidParameter { what: &'static str, detail: String },
+    InvalidParameter {
+        /// Which parameter.
+        what: &'static str,
+        /// What is wrong with it, with the values.
+        detail: String,
+    },
     /// An allocation failed (or would exceed the address space).
     #[error("out of memory: cannot allocate {bytes} bytes for {what}")]
-    OutOfMemory { what: &'static str, bytes: usize },
+    OutOfMemory {
+        /// What the memory was for.
+        what: &'static str,
+        /// How many bytes were asked for.
+        bytes: usize,
+    },
     /// The requested ISA is not available on this CPU.
     #[error("ISA {requested} is not available on this CPU (available: {available})")]
     IsaUnavailable {
+        /// The ISA asked for.
         requested: String,
+        /// The ISA levels this CPU and build have.
         available: String,
     },
     /// The forced algorithm does not accept this convolution.
     #[error("algorithm {algorithm} cannot run this convolution: {reason}")]
     AlgorithmUnsupported {
+        /// The forced algorithm.
         algorithm: &'static str,
+        /// Why it does not take the convolution.
         reason: String,
     },
     /// No GPU adapter matches the request (or none exists at all).
     #[error("no GPU adapter: {detail}")]
-    NoGpu { detail: String },
+    NoGpu {
+        /// What was looked for, and what was found.
+        detail: String,
+    },
     /// The GPU device refused or failed an operation (limits, device loss, mapping).
     #[error("GPU error: {detail}")]
-    Gpu { detail: String },
+    Gpu {
+        /// What the device said.
+        detail: String,
+    },
 }
 
 /// `Ok` when every `(what, expected, got)` matches; a `got` of `None` (an absent optional

@@ -28,9 +28,13 @@
 //! # Ok::<(), convkit::Error>(())
 //! ```
 
+#![warn(missing_docs)]
+
 mod algo;
 mod backward;
 mod buffer;
+#[cfg(feature = "capi")]
+pub mod capi;
 mod conv;
 pub mod cpu;
 mod epilogue;
@@ -40,6 +44,7 @@ pub mod gemm;
 pub mod gpu;
 mod params;
 mod plan;
+#[cfg(feature = "int8")]
 mod quant;
 pub mod reference;
 pub mod suite;
@@ -60,6 +65,7 @@ pub use epilogue::Activation;
 pub use error::{Error, Result};
 pub use params::{ConvParams, Geometry, Layout, Padding};
 pub use plan::Plan;
+#[cfg(feature = "int8")]
 pub use quant::{QConv1d, QConv2d, QElement, QPlan, QuantOutput, QuantParams, QuantType};
 
 /// The README's examples, compiled and run as doctests so that they stay true.

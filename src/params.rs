@@ -31,9 +31,13 @@ impl std::str::FromStr for Layout {
 pub enum Padding {
     /// Zeros added on each side, in input pixels.
     Explicit {
+        /// Rows of zeros above the input.
         top: usize,
+        /// Rows of zeros below the input.
         bottom: usize,
+        /// Columns of zeros left of the input.
         left: usize,
+        /// Columns of zeros right of the input.
         right: usize,
     },
     /// `SAME_UPPER`: output = ceil(input / stride); an odd total puts the extra pixel at the end.
@@ -79,9 +83,31 @@ impl Padding {
 
 /// A 1-D or 2-D convolution: PyTorch/ONNX semantics (cross-correlation, OIHW weights with
 /// I = in_channels / groups). 1-D convolutions have height 1 (`kernel[0] == 1`).
+///
+/// ```
+/// use convkit::{Activation, ConvParams, Error, Padding};
+///
+/// // ResNeXt's grouped 3x3: 128 channels in 32 groups, stride 2, explicit padding 1.
+/// let p = ConvParams::conv2d(128, 128, [3, 3])
+///     .with_groups(32)
+///     .with_stride([2, 2])
+///     .with_padding(Padding::uniform(1))
+///     .with_activation(Activation::Relu);
+/// assert_eq!(p.weights_len()?, 128 * 4 * 3 * 3);
+/// let g = p.geometry(1, 56, 56)?;
+/// assert_eq!((g.oh, g.ow), (28, 28));
+/// // Bad parameters are typed errors, never panics.
+/// assert!(matches!(
+///     p.with_groups(3).validate(),
+///     Err(Error::NotDivisibleByGroups { .. })
+/// ));
+/// # Ok::<(), Error>(())
+/// ```
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct ConvParams {
+    /// Input channels.
     pub in_channels: usize,
+    /// Output channels.
     pub out_channels: usize,
     /// 1 = dense; `in_channels` = depthwise (with multiplier out_channels / in_channels).
     pub groups: usize,
@@ -91,7 +117,9 @@ pub struct ConvParams {
     pub stride: [usize; 2],
     /// [height, width]
     pub dilation: [usize; 2],
+    /// Padding: explicit or an ONNX `auto_pad` mode.
     pub padding: Padding,
+    /// Memory layout of the input and output tensors.
     pub layout: Layout,
     /// Applied after bias and residual.
     pub activation: Activation,
@@ -118,26 +146,32 @@ impl ConvParams {
         Self::conv2d(in_channels, out_channels, [1, kernel])
     }
 
+    /// Sets the group count (1 = dense; `in_channels` = depthwise).
     pub fn with_groups(mut self, groups: usize) -> Self {
         self.groups = groups;
         self
     }
+    /// Sets the stride, [height, width].
     pub fn with_stride(mut self, stride: [usize; 2]) -> Self {
         self.stride = stride;
         self
     }
+    /// Sets the dilation, [height, width].
     pub fn with_dilation(mut self, dilation: [usize; 2]) -> Self {
         self.dilation = dilation;
         self
     }
+    /// Sets the padding.
     pub fn with_padding(mut self, padding: Padding) -> Self {
         self.padding = padding;
         self
     }
+    /// Sets the layout of the activations.
     pub fn with_layout(mut self, layout: Layout) -> Self {
         self.layout = layout;
         self
     }
+    /// Sets the fused activation.
     pub fn with_activation(mut self, activation: Activation) -> Self {
         self.activation = activation;
         self
@@ -321,31 +355,52 @@ impl ConvParams {
 /// A convolution with its input size fixed: padding resolved, output size known.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Geometry {
+    /// Images in the batch.
     pub batch: usize,
+    /// Input channels.
     pub c_in: usize,
+    /// Input height.
     pub h: usize,
+    /// Input width.
     pub w: usize,
+    /// Output channels.
     pub c_out: usize,
+    /// Groups.
     pub groups: usize,
+    /// Kernel height.
     pub kh: usize,
+    /// Kernel width.
     pub kw: usize,
+    /// Vertical stride.
     pub sh: usize,
+    /// Horizontal stride.
     pub sw: usize,
+    /// Vertical dilation.
     pub dh: usize,
+    /// Horizontal dilation.
     pub dw: usize,
+    /// Padding above, resolved.
     pub pad_top: usize,
+    /// Padding below, resolved.
     pub pad_bottom: usize,
+    /// Padding left, resolved.
     pub pad_left: usize,
+    /// Padding right, resolved.
     pub pad_right: usize,
+    /// Output height.
     pub oh: usize,
+    /// Output width.
     pub ow: usize,
+    /// Layout of input and output.
     pub layout: Layout,
 }
 
 impl Geometry {
+    /// Input channels per group.
     pub fn cin_g(&self) -> usize {
         self.c_in / self.groups
     }
+    /// Output channels per group.
     pub fn cout_g(&self) -> usize {
         self.c_out / self.groups
     }

@@ -19,6 +19,27 @@ pub(crate) enum AlgoPlan {
 
 /// A convolution planned for one input size. Running it allocates nothing once the
 /// workspace holds `workspace_bytes()`.
+///
+/// ```
+/// use convkit::{Conv2d, ConvParams, Options, Padding, Workspace};
+///
+/// let conv = Conv2d::new(
+///     ConvParams::conv2d(16, 16, [3, 3]).with_padding(Padding::Same),
+///     &vec![0.0; 16 * 16 * 9],
+///     None,
+///     Options::default(),
+/// )?;
+/// // One plan per input size; plans are cheap to clone and share between threads.
+/// let plan = conv.plan(2, 20, 30)?;
+/// assert_eq!(plan.output_shape(), [2, 16, 20, 30]);
+/// println!("{} needs {} bytes of scratch", plan.kernel_name(), plan.workspace_bytes());
+/// let mut ws = Workspace::with_bytes(plan.workspace_bytes())?; // no allocation in run
+/// let (x, residual) = (vec![1.0; plan.input_len()], vec![2.0; plan.output_len()]);
+/// let mut y = vec![0.0; plan.output_len()];
+/// plan.run_with_residual(&x, &residual, &mut y, &mut ws)?; // zero weights: y = residual
+/// assert!(y.iter().all(|&v| v == 2.0));
+/// # Ok::<(), convkit::Error>(())
+/// ```
 #[derive(Clone)]
 pub struct Plan {
     conv: Arc<ConvInner>,

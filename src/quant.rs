@@ -29,7 +29,9 @@ use std::sync::Arc;
 /// The type of quantized 8-bit data.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum QuantType {
+    /// Unsigned 8-bit, 0..=255.
     U8,
+    /// Signed 8-bit, -128..=127.
     I8,
 }
 
@@ -42,6 +44,7 @@ impl QuantType {
         }
     }
 
+    /// `"u8"` or `"i8"`.
     pub fn name(self) -> &'static str {
         match self {
             QuantType::U8 => "u8",
@@ -55,8 +58,11 @@ impl QuantType {
 pub enum QuantOutput {
     /// u8 or i8, requantised with this scale and zero point.
     Quantized {
+        /// u8 or i8.
         ty: QuantType,
+        /// The output's scale.
         scale: f32,
+        /// The output's zero point, in the type's range.
         zero_point: i32,
     },
     /// The i32 accumulators plus bias.
@@ -68,11 +74,15 @@ pub enum QuantOutput {
 /// The quantization of a convolution's input, weights and output.
 #[derive(Clone, Debug, PartialEq)]
 pub struct QuantParams {
+    /// u8 or i8 input.
     pub input_type: QuantType,
+    /// The input's scale (finite, > 0).
     pub input_scale: f32,
+    /// The input's zero point, in the type's range.
     pub input_zero_point: i32,
     /// One scale (per tensor) or one per output channel. Weights are symmetric (zero point 0).
     pub weight_scales: Vec<f32>,
+    /// What the convolution outputs.
     pub output: QuantOutput,
 }
 
@@ -146,6 +156,22 @@ pub(crate) struct QConvInner {
 
 /// A quantized 2-D convolution with its weights packed: immutable, `Send + Sync`, cheap to
 /// clone.
+///
+/// ```
+/// use convkit::{ConvParams, Options, QConv2d, QuantParams, Workspace};
+///
+/// // u8 in and out: x = 0.5 · (q - 10), weights 1 · 0.25, y = 0.1 · (q - 3).
+/// let params = ConvParams::conv2d(4, 2, [1, 1]);
+/// let quant = QuantParams::u8(0.5, 10, 0.25, 0.1, 3);
+/// let conv = QConv2d::new(params, quant, &[1i8; 8], None, Options::default())?;
+/// let plan = conv.plan(1, 2, 2)?;
+/// let x = vec![14u8; plan.input_len()]; // each input is 0.5 · 4 = 2.0
+/// let mut y = vec![0u8; plan.output_len()];
+/// plan.run(&x, &mut y, &mut Workspace::new())?;
+/// // each output: 4 channels · 2.0 · 0.25 = 2.0, i.e. 3 + 2.0 / 0.1 = 23
+/// assert!(y.iter().all(|&q| q == 23));
+/// # Ok::<(), convkit::Error>(())
+/// ```
 #[derive(Clone)]
 pub struct QConv2d {
     inner: Arc<QConvInner>,
@@ -385,10 +411,12 @@ impl QConv2d {
         })
     }
 
+    /// The parameters the convolution was created with.
     pub fn params(&self) -> &ConvParams {
         &self.inner.params
     }
 
+    /// The quantization it was created with.
     pub fn quant(&self) -> &QuantParams {
         &self.inner.quant
     }
@@ -397,7 +425,7 @@ impl QConv2d {
     pub fn plan(&self, batch: usize, in_h: usize, in_w: usize) -> Result<QPlan> {
         let geometry = self.inner.params.geometry(batch, in_h, in_w)?;
         let threads = match self.inner.threads {
-            0 => rayon::current_num_threads(),
+            0 => crate::algo::current_num_threads(),
             t => t,
         };
         let flip = self.inner.quant.input_type == QuantType::I8;
@@ -423,6 +451,7 @@ pub struct QPlan {
 }
 
 impl QPlan {
+    /// Input size, padding and output size.
     pub fn geometry(&self) -> &Geometry {
         &self.geometry
     }
@@ -436,14 +465,17 @@ impl QPlan {
         }
     }
 
+    /// Elements the input slice must have.
     pub fn input_len(&self) -> usize {
         self.geometry.input_len()
     }
 
+    /// Elements the output (and residual) slice must have.
     pub fn output_len(&self) -> usize {
         self.geometry.output_len()
     }
 
+    /// Bytes of workspace `run` needs.
     pub fn workspace_bytes(&self) -> usize {
         match &*self.algo {
             QAlgoPlan::Gemm(p) => p.workspace_bytes(),
@@ -572,6 +604,7 @@ impl QConv1d {
         self.conv.plan(batch, 1, length)
     }
 
+    /// The 2-D convolution underneath.
     pub fn as_qconv2d(&self) -> &QConv2d {
         &self.conv
     }

@@ -358,6 +358,7 @@ pub struct Comparison {
 }
 
 impl Comparison {
+    /// True if every output is finite where the reference is, and within its tolerance.
     pub fn passed(&self) -> bool {
         self.non_finite == 0 && self.worst_ratio <= 1.0
     }
@@ -469,7 +470,7 @@ pub fn qconv_sums<T: Copy + Into<i64>>(
     Ok(out)
 }
 
-/// Requantises an exact sum as convkit specifies it (see [`QConv2d`](crate::QConv2d)): the
+/// Requantises an exact sum as convkit specifies it (see `QConv2d`): the
 /// sum times the f32 multiplier `mult`, in f32, rounded half to even, plus the zero point,
 /// clamped to `qlo..=qhi`.
 pub fn requantize(sum: i64, mult: f32, zero_point: i32, qlo: i32, qhi: i32) -> i32 {

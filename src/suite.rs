@@ -19,10 +19,15 @@ pub const COLUMNS: [&str; 15] = [
 /// One layer of a suite.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Layer {
+    /// The layer's name, e.g. `resnet50_l1_3x3`.
     pub name: String,
+    /// Images in the batch.
     pub batch: usize,
+    /// Input height.
     pub h: usize,
+    /// Input width.
     pub w: usize,
+    /// The convolution's parameters.
     pub params: ConvParams,
 }
 

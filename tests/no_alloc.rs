@@ -133,6 +133,7 @@ fn run_does_not_allocate() {
     }
 }
 
+#[cfg(feature = "int8")]
 #[test]
 fn quantized_run_does_not_allocate() {
     use convkit::{QConv2d, QuantOutput, QuantParams, QuantType};

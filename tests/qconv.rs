@@ -4,6 +4,8 @@
 //! i32 outputs must be equal; u8/i8 outputs equal to the reference's f32 requantisation and
 //! within 1 of the exact (f64) one; f32 outputs equal to the sum times the f32 scale.
 
+#![cfg(feature = "int8")]
+
 mod common;
 
 use common::{cases, Rng};

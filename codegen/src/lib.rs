@@ -261,34 +261,85 @@ pub struct Generated {
     pub source: String,
 }
 
-/// Every generated file.
+/// What to generate: the ISAs (scalar is always in) and whether the int8 family is built.
+/// `build.rs` makes it from convkit's cargo features (`avx2`, `avx512`, `neon`, `int8`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Selection {
+    /// The ISA levels to emit kernels for; `Isa::Scalar` is added if missing.
+    pub isas: Vec<Isa>,
+    /// Emit the int8 GEMM and depthwise kernels.
+    pub int8: bool,
+}
+
+impl Selection {
+    /// Everything: every ISA and every family.
+    pub fn all() -> Self {
+        Selection {
+            isas: Isa::ALL.to_vec(),
+            int8: true,
+        }
+    }
+
+    /// True if kernels of `isa` are emitted.
+    pub fn has(&self, isa: Isa) -> bool {
+        isa == Isa::Scalar || self.isas.contains(&isa)
+    }
+}
+
+/// Every generated file, for every ISA and family.
 pub fn generate() -> Vec<Generated> {
-    vec![
+    generate_selected(&Selection::all())
+}
+
+/// The generated files for `sel`: the kernels of its ISAs and families only. The int8 files
+/// are left out when `sel.int8` is false (convkit then compiles without its int8 module).
+pub fn generate_selected(sel: &Selection) -> Vec<Generated> {
+    let gemm: Vec<GemmSpec> = GEMM_F32
+        .iter()
+        .copied()
+        .filter(|s| sel.has(s.isa))
+        .collect();
+    let dw: Vec<DwSpec> = dw_f32().into_iter().filter(|s| sel.has(s.isa)).collect();
+    let direct: Vec<DirectSpec> = direct_f32()
+        .into_iter()
+        .filter(|s| sel.has(s.isa))
+        .collect();
+    let isas: Vec<Isa> = Isa::ALL.into_iter().filter(|&i| sel.has(i)).collect();
+    let mut files = vec![
         Generated {
             file: "gemm_f32.rs",
-            source: format_file(gemm::emit_all(GEMM_F32)),
+            source: format_file(gemm::emit_all(&gemm)),
         },
         Generated {
             file: "dw_f32.rs",
-            source: format_file(depthwise::emit_all(&dw_f32(), &direct_f32())),
+            source: format_file(depthwise::emit_all(&dw, &direct)),
         },
         Generated {
             file: "wino_f32.rs",
-            source: format_file(winograd::emit_all(WINO_TILES)),
-        },
-        Generated {
-            file: "qgemm_i8.rs",
-            source: format_file(qgemm::emit_all(QGEMM)),
-        },
-        Generated {
-            file: "qdw_i8.rs",
-            source: format_file(qdw::emit_all()),
+            source: format_file(winograd::emit_all(WINO_TILES, &isas)),
         },
         Generated {
             file: "layout.rs",
             source: format_file(layout::emit_all()),
         },
-    ]
+    ];
+    if sel.int8 {
+        let q: Vec<QGemmSpec> = QGEMM.iter().copied().filter(|s| sel.has(s.isa)).collect();
+        let qdw: &[(usize, usize)] = if sel.has(Isa::Avx512) {
+            QDW_SHAPES
+        } else {
+            &[]
+        };
+        files.push(Generated {
+            file: "qgemm_i8.rs",
+            source: format_file(qgemm::emit_all(&q)),
+        });
+        files.push(Generated {
+            file: "qdw_i8.rs",
+            source: format_file(qdw::emit_all(qdw)),
+        });
+    }
+    files
 }
 
 fn format_file(tokens: TokenStream) -> String {

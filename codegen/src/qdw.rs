@@ -32,9 +32,11 @@ fn unroll(k: usize) -> usize {
     }
 }
 
-pub fn emit_all() -> TokenStream {
-    let kernels = QDW_SHAPES.iter().map(|&(k, s)| emit(k, s));
-    let entries = QDW_SHAPES.iter().map(|&(k, s)| {
+/// The kernels of `shapes` (a subset of [`QDW_SHAPES`], empty when AVX-512 is not built) and
+/// their registry.
+pub fn emit_all(shapes: &[(usize, usize)]) -> TokenStream {
+    let kernels = shapes.iter().map(|&(k, s)| emit(k, s));
+    let entries = shapes.iter().map(|&(k, s)| {
         let n = name(k, s);
         let f = format_ident!("{}", n);
         quote! {
@@ -42,10 +44,17 @@ pub fn emit_all() -> TokenStream {
             QDwKernel { name: #n, func: #f, k: #k, s: #s },
         }
     });
+    let kernel_uses = if shapes.is_empty() {
+        quote!()
+    } else {
+        quote! {
+            #[cfg(target_arch = "x86_64")]
+            use crate::algo::{qdepthwise::QDwEpilogue, qgemm::QMode};
+        }
+    };
     quote! {
         use crate::algo::qdepthwise::QDwKernel;
-        #[cfg(target_arch = "x86_64")]
-        use crate::algo::{qdepthwise::QDwEpilogue, qgemm::QMode};
+        #kernel_uses
 
         #(#kernels)*
 

@@ -131,6 +131,8 @@ pub fn emit_all(specs: &[QGemmSpec]) -> TokenStream {
         }
     });
     quote! {
+        // QMode is used by the SIMD kernels only (absent in a scalar-only build).
+        #[allow(unused_imports)]
         use crate::algo::qgemm::{store_edge, QEpilogue, QGemmKernel, QMode};
 
         #(#kernels)*

@@ -443,13 +443,13 @@ fn emit_kernels(v: &Simd, spec: &WinoSpec, mats: &Matrices, dims: usize) -> Toke
     }
 }
 
-/// Every tile size of `specs`, 2-D and 1-D, for every ISA; the registry `WINO_F32_KERNELS`
-/// and the filter transforms `WINO_G` (applied at create time, in f64).
-pub fn emit_all(specs: &[WinoSpec]) -> TokenStream {
+/// Every tile size of `specs`, 2-D and 1-D, for every ISA of `isas`; the registry
+/// `WINO_F32_KERNELS` and the filter transforms `WINO_G` (applied at create time, in f64).
+pub fn emit_all(specs: &[WinoSpec], isas: &[Isa]) -> TokenStream {
     let mats: Vec<Matrices> = specs.iter().map(cook_toom).collect();
     let mut modules = TokenStream::new();
     let mut entries = TokenStream::new();
-    for isa in Isa::ALL {
+    for &isa in isas {
         let v = simd(isa);
         let mut kernels = TokenStream::new();
         for (spec, mats) in specs.iter().zip(&mats) {

@@ -6,12 +6,13 @@ pub mod depthwise;
 pub(crate) mod depthwise_backward;
 pub mod direct;
 pub(crate) mod im2col_gemm;
+#[cfg(feature = "int8")]
 pub mod qdepthwise;
+#[cfg(feature = "int8")]
 pub mod qgemm;
+#[cfg(feature = "int8")]
 mod transpose_u8;
 pub mod winograd;
-
-use rayon::prelude::*;
 
 /// The algorithms convkit can run a convolution with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -45,6 +46,7 @@ impl Algorithm {
         Algorithm::Winograd,
     ];
 
+    /// The name `Options::algorithm`, `--algorithm` and `Plan::kernel_name` use.
     pub fn name(self) -> &'static str {
         match self {
             Algorithm::Im2colGemm => "im2col_gemm",
@@ -91,10 +93,24 @@ impl SendPtr {
     }
 }
 
+/// The number of workers `Options::threads == 0` means: the current rayon pool's threads,
+/// or 1 in a build without the `threads` feature (no rayon).
+pub(crate) fn current_num_threads() -> usize {
+    #[cfg(feature = "threads")]
+    {
+        rayon::current_num_threads()
+    }
+    #[cfg(not(feature = "threads"))]
+    {
+        1
+    }
+}
+
 /// Runs `items` numbered work items on `workers` workers, each a contiguous range of them: on
-/// the caller's thread alone for one worker, else on the current rayon pool. Each worker owns
-/// an equal share of `scratch` (empty when there is none), which `item` gets with the item's
-/// number.
+/// the caller's thread alone for one worker, else on the current rayon pool (or, in a build
+/// without the `threads` feature, one worker after another on the caller's thread). Each
+/// worker owns an equal share of `scratch` (empty when there is none), which `item` gets with
+/// the item's number.
 pub(crate) fn for_each_worker(
     workers: usize,
     items: usize,
@@ -106,16 +122,33 @@ pub(crate) fn for_each_worker(
     let share = scratch.len() / workers;
     if workers == 1 {
         range(0).for_each(|i| item(scratch, i));
-    } else if share == 0 {
-        (0..workers)
-            .into_par_iter()
-            .with_max_len(1)
-            .for_each(|w| range(w).for_each(|i| item(&mut [], i)));
-    } else {
-        scratch[..share * workers]
-            .par_chunks_mut(share)
-            .with_max_len(1)
-            .enumerate()
-            .for_each(|(w, s)| range(w).for_each(|i| item(s, i)));
+        return;
+    }
+    #[cfg(feature = "threads")]
+    {
+        use rayon::prelude::*;
+        if share == 0 {
+            (0..workers)
+                .into_par_iter()
+                .with_max_len(1)
+                .for_each(|w| range(w).for_each(|i| item(&mut [], i)));
+        } else {
+            scratch[..share * workers]
+                .par_chunks_mut(share)
+                .with_max_len(1)
+                .enumerate()
+                .for_each(|(w, s)| range(w).for_each(|i| item(s, i)));
+        }
+    }
+    #[cfg(not(feature = "threads"))]
+    {
+        if share == 0 {
+            (0..workers).for_each(|w| range(w).for_each(|i| item(&mut [], i)));
+        } else {
+            scratch[..share * workers]
+                .chunks_mut(share)
+                .enumerate()
+                .for_each(|(w, s)| range(w).for_each(|i| item(s, i)));
+        }
     }
 }

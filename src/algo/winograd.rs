@@ -106,6 +106,7 @@ impl Precision {
         }
     }
 
+    /// The lowercase name (`exact`, `accurate`, `balanced`) of `--precision`.
     pub fn name(self) -> &'static str {
         match self {
             Precision::Exact => "exact",

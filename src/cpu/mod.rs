@@ -52,12 +52,14 @@ pub(crate) fn transpose_8x8(isa: Isa) -> generated_layout::Transpose8x8 {
 }
 
 /// The generated int8 GEMM microkernels.
+#[cfg(feature = "int8")]
 #[allow(clippy::all)]
 pub(crate) mod generated_q {
     include!(concat!(env!("OUT_DIR"), "/qgemm_i8.rs"));
 }
 
 /// The generated int8 depthwise kernels.
+#[cfg(feature = "int8")]
 #[allow(clippy::all)]
 pub(crate) mod generated_qdw {
     include!(concat!(env!("OUT_DIR"), "/qdw_i8.rs"));
@@ -75,6 +77,7 @@ pub fn has_vnni_vbmi() -> bool {
 }
 
 /// The generated int8 depthwise kernels this CPU can run, at ISA level `isa`.
+#[cfg(feature = "int8")]
 pub(crate) fn qdw(isa: Isa) -> &'static [crate::algo::qdepthwise::QDwKernel] {
     if isa == Isa::Avx512 && has_vnni_vbmi() {
         generated_qdw::QDW_KERNELS
@@ -84,6 +87,7 @@ pub(crate) fn qdw(isa: Isa) -> &'static [crate::algo::qdepthwise::QDwKernel] {
 }
 
 /// The int8 depthwise kernel named `name`, if there is one (None: not a depthwise name).
+#[cfg(feature = "int8")]
 pub(crate) fn qdw_by_name(
     name: &str,
 ) -> Result<Option<&'static crate::algo::qdepthwise::QDwKernel>> {
@@ -118,11 +122,13 @@ pub fn has_vnni() -> bool {
 }
 
 /// True if this CPU can run `k`: its ISA, and VNNI where it needs it.
+#[cfg(feature = "int8")]
 fn runs(k: &crate::algo::qgemm::QGemmKernel) -> bool {
     Isa::available().contains(&k.isa) && (!k.vnni || has_vnni())
 }
 
 /// The best int8 GEMM microkernel at `isa`: VNNI where the CPU has it, else the ISA's own.
+#[cfg(feature = "int8")]
 pub(crate) fn qgemm(isa: Isa) -> &'static crate::algo::qgemm::QGemmKernel {
     let all = generated_q::QGEMM_KERNELS;
     all.iter()
@@ -133,6 +139,7 @@ pub(crate) fn qgemm(isa: Isa) -> &'static crate::algo::qgemm::QGemmKernel {
 }
 
 /// The int8 GEMM microkernel named `name`, if this CPU can run it.
+#[cfg(feature = "int8")]
 pub(crate) fn qgemm_by_name(name: &str) -> Result<&'static crate::algo::qgemm::QGemmKernel> {
     let k = generated_q::QGEMM_KERNELS
         .iter()
@@ -196,10 +203,24 @@ impl Isa {
         }
     }
 
-    /// The levels this CPU can run, lowest first (always starts with `Scalar`).
+    /// The levels this CPU can run and this build has kernels for, lowest first (always starts
+    /// with `Scalar`). A level the CPU has but the build left out (cargo features `avx2`,
+    /// `avx512`, `neon`) is not here: it is never chosen, and asking for it (`Options::isa`,
+    /// `CONVKIT_ISA`) is `Error::IsaUnavailable`.
     pub fn available() -> &'static [Isa] {
         static AVAILABLE: OnceLock<Vec<Isa>> = OnceLock::new();
-        AVAILABLE.get_or_init(detect)
+        AVAILABLE.get_or_init(|| detect().into_iter().filter(|i| i.built()).collect())
+    }
+
+    /// True if this build has the kernels of this level (its cargo feature is on; scalar
+    /// always).
+    pub fn built(self) -> bool {
+        match self {
+            Isa::Scalar => true,
+            Isa::Avx2 => cfg!(feature = "avx2"),
+            Isa::Avx512 => cfg!(feature = "avx512"),
+            Isa::Neon => cfg!(feature = "neon"),
+        }
     }
 
     /// The best level of this CPU.
@@ -326,7 +347,7 @@ pub enum Family {
     Direct,
     /// Winograd input and output transforms (the products run on the GEMM microkernels).
     Winograd,
-    /// int8 GEMM microkernels (quantized convolutions, [`QConv2d`](crate::QConv2d)).
+    /// int8 GEMM microkernels (quantized convolutions, `QConv2d`; feature `int8`).
     QGemm,
     /// int8 depthwise kernels (quantized depthwise convolutions).
     QDepthwise,
@@ -342,8 +363,11 @@ impl Family {
 /// One generated kernel, as the registry describes it: what tests and benchmarks iterate.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct KernelInfo {
+    /// The kernel's name: family, data type, shape and ISA.
     pub name: &'static str,
+    /// The ISA level the kernel needs.
     pub isa: Isa,
+    /// The kernel family (which algorithm runs it).
     pub family: Family,
     /// The layout the kernel works in, where it has one.
     pub layout: Option<crate::Layout>,
@@ -388,6 +412,7 @@ pub fn registry() -> Vec<KernelInfo> {
         fixed: Some((3, 1)),
         conv1d: k.dims == 1,
     });
+    #[cfg(feature = "int8")]
     let q = generated_q::QGEMM_KERNELS.iter().map(|k| KernelInfo {
         name: k.name,
         isa: k.isa,
@@ -396,6 +421,7 @@ pub fn registry() -> Vec<KernelInfo> {
         fixed: None,
         conv1d: false,
     });
+    #[cfg(feature = "int8")]
     let qdw = generated_qdw::QDW_KERNELS.iter().map(|k| KernelInfo {
         name: k.name,
         isa: Isa::Avx512,
@@ -404,12 +430,10 @@ pub fn registry() -> Vec<KernelInfo> {
         fixed: Some((k.k, k.s)),
         conv1d: false,
     });
-    gemm.chain(dw)
-        .chain(direct)
-        .chain(wino)
-        .chain(q)
-        .chain(qdw)
-        .collect()
+    let all = gemm.chain(dw).chain(direct).chain(wino);
+    #[cfg(feature = "int8")]
+    let all = all.chain(q).chain(qdw);
+    all.collect()
 }
 
 /// The registry entry named `name`, or `Error::InvalidParameter` listing what there is.

@@ -32,10 +32,15 @@ pub type GemmRowsFn = unsafe fn(
 
 /// A generated microkernel and its register tile.
 pub struct GemmKernel {
+    /// The kernel's name, e.g. `gemm_f32_6x16_avx2`.
     pub name: &'static str,
+    /// The ISA level the kernel needs.
     pub isa: Isa,
+    /// The microkernel.
     pub func: GemmKernelFn,
+    /// Rows of the register tile.
     pub mr: usize,
+    /// Columns of the register tile.
     pub nr: usize,
     /// The same kernel over only the first `nr/2` columns, for a last micro-panel that narrow.
     pub half: Option<GemmKernelFn>,
@@ -44,6 +49,7 @@ pub struct GemmKernel {
     pub short: Option<GemmKernelFn>,
     /// Variants that read B through row pointers (SIMD ISAs).
     pub rows: Option<GemmRowsFn>,
+    /// A variant that takes `mr / 2` rows (for ragged edges), where the ISA has one.
     pub half_rows: Option<GemmRowsFn>,
 }
 
@@ -56,11 +62,15 @@ pub struct GemmEpilogue {
     pub last: bool,
     /// Null, or the bias of this tile: indexed by row if `bias_per_row`, else by column.
     pub bias: *const f32,
+    /// True: the bias is per row of C (else per column).
     pub bias_per_row: bool,
     /// Null, or the residual at this tile's position (rows `rs_residual` apart).
     pub residual: *const f32,
+    /// Row stride of the residual, in floats.
     pub rs_residual: isize,
+    /// Lower clamp of the fused activation.
     pub min: f32,
+    /// Upper clamp of the fused activation.
     pub max: f32,
 }
 
