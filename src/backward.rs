@@ -75,7 +75,7 @@ fn inner_options(o: &Options) -> Options {
 
 fn workers(threads: usize) -> usize {
     match threads {
-        0 => rayon::current_num_threads(),
+        0 => crate::algo::current_num_threads(),
         t => t,
     }
 }
