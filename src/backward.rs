@@ -62,13 +62,15 @@ enum DataPlan {
     Col2im(Col2imPlan),
 }
 
-/// `Options` for the convolutions the backward passes build: only threads, ISA and
-/// precision carry over (a forced algorithm or kernel names a forward one).
+/// `Options` for the convolutions the backward passes build: threads, ISA, precision and
+/// the input-size hint carry over (at stride 1 the gradient has the input's size), a forced
+/// algorithm or kernel does not (it names a forward one).
 fn inner_options(o: &Options) -> Options {
     Options {
         threads: o.threads,
         isa: o.isa,
         precision: o.precision,
+        input_hint: o.input_hint,
         ..Options::default()
     }
 }
@@ -312,8 +314,10 @@ enum WeightPath {
     Direct(DwBackward),
 }
 
-/// The most input channels a group for which NCHW weight gradients run the per-channel
-/// kernel instead of the GEMMs.
+/// The most input channels a group for which NCHW weight gradients at horizontal stride 1 or
+/// 2 run the per-channel kernel instead of the GEMMs (`convkit bench --pass
+/// backward-weights`, one thread, AVX-512, GFLOP/s GEMM / per-channel: ResNeXt's 4-channel
+/// groups 1.4 / 16, the 7x7 stride-2 stem 5.8 / 18; strides 4 and 5 lose).
 const DIRECT_MAX_CIN: usize = 8;
 
 impl ConvBackward {
@@ -356,8 +360,8 @@ impl ConvBackward {
             None => WeightPath::Depthwise,
             Some(_)
                 if params.layout == Layout::Nchw
-                    && params.groups > 1
-                    && params.in_channels_per_group() <= DIRECT_MAX_CIN =>
+                    && params.in_channels_per_group() <= DIRECT_MAX_CIN
+                    && params.stride[1] <= 2 =>
             {
                 WeightPath::Direct(DwBackward::new(&params, weights, isa))
             }

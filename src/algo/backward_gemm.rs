@@ -479,6 +479,9 @@ pub(crate) struct WeightGradPlan {
     nchunk: usize,
     nchunks: usize,
     workers: usize,
+    /// Compute `dW_tapᵀ = X_tapᵀ · dYᵀ` (input channels as rows) instead: for few input
+    /// channels and many output channels, whose tiles fill the kernel's registers better.
+    transposed: bool,
 }
 
 impl WeightGradPlan {
@@ -517,12 +520,20 @@ impl WeightGrad {
             .min(cin_g.div_ceil(nr));
         let nchunk = cin_g.div_ceil(want.max(1)).div_ceil(nr) * nr;
         let nchunks = cin_g.div_ceil(nchunk);
-        let blk = Blocking::new(self.kern, g.oh * g.ow, nchunk.min(NC_MAX), 1);
+        // The orientation whose register tiles waste the least on edges.
+        let (mr, cout_g) = (self.kern.mr, g.cout_g());
+        let fill = |rows: usize, cols: usize| {
+            (rows * cols) as f64 / (rows.div_ceil(mr) * mr * cols.div_ceil(nr) * nr) as f64
+        };
+        let transposed = fill(nchunk.min(cin_g), cout_g) > fill(cout_g, nchunk.min(cin_g));
+        let nc = if transposed { cout_g } else { nchunk };
+        let blk = Blocking::new(self.kern, g.oh * g.ow, nc.min(NC_MAX), 1);
         WeightGradPlan {
             blk,
             nchunk,
             nchunks,
             workers: t.min(g.groups * g.kh * g.kw * nchunks),
+            transposed,
         }
     }
 
@@ -572,34 +583,34 @@ impl WeightGrad {
                     tap,
                     col0,
                 };
+                // The tile of (group, tap): `cout_g x cin_g`, or its transpose.
+                let (first, ld) = match plan.transposed {
+                    false => ((grp * taps + tap) * tile + col0, cin_g),
+                    true => ((grp * taps + tap) * tile + col0 * cout_g, cout_g),
+                };
                 let o = Output {
-                    // SAFETY (of the offset): the columns col0.. of item (group, tap)'s tile of
-                    // the tap-major sums.
-                    c: unsafe { out.get().add((grp * taps + tap) * tile + col0) },
-                    rs_c: cin_g as isize,
+                    // SAFETY (of the offset): inside `sums`, which holds every tile.
+                    c: unsafe { out.get().add(first) },
+                    rs_c: ld as isize,
                     bias: None,
                     bias_per_row: false,
                     residual: std::ptr::null(),
                     activation: Activation::None,
                     accumulate: n > 0,
                 };
-                // SAFETY: item (group, tap, chunk) writes only its columns of its tile of `sums`;
-                // the operands read `dy` and the image, whose lengths were checked; the ISA
-                // was checked at create.
+                let (p, isa) = (g.oh * g.ow, self.kern.isa);
+                // SAFETY: item (group, tap, chunk) writes only its channels of its tile of
+                // `sums`; the operands read `dy` and the image, whose lengths were checked; the
+                // ISA was checked at create.
                 unsafe {
-                    weight_grad_gemm(
-                        self.kern.isa,
-                        self.kern,
-                        plan,
-                        cout_g,
-                        cols,
-                        g.oh * g.ow,
-                        &a,
-                        &b,
-                        &o,
-                        a_buf,
-                        b_buf,
-                    )
+                    match plan.transposed {
+                        false => weight_grad_gemm(
+                            isa, self.kern, plan, cout_g, cols, p, &a, &b, &o, a_buf, b_buf,
+                        ),
+                        true => weight_grad_gemm_t(
+                            isa, self.kern, plan, cols, cout_g, p, &b, &a, &o, a_buf, b_buf,
+                        ),
+                    }
                 }
             });
         }
@@ -608,9 +619,12 @@ impl WeightGrad {
             for co in 0..cout_g {
                 let dst = &mut dw[(grp * cout_g + co) * cin_g * taps..][..cin_g * taps];
                 for tap in 0..taps {
-                    let src = &sums[((grp * taps + tap) * cout_g + co) * cin_g..][..cin_g];
-                    for (ci, &v) in src.iter().enumerate() {
-                        let d = &mut dst[ci * taps + tap];
+                    let t = (grp * taps + tap) * tile;
+                    for (ci, d) in dst.iter_mut().skip(tap).step_by(taps).enumerate() {
+                        let v = match plan.transposed {
+                            false => sums[t + co * cin_g + ci],
+                            true => sums[t + ci * cout_g + co],
+                        };
                         *d = if accumulate { *d + v } else { v };
                     }
                 }
@@ -662,6 +676,41 @@ isa_dispatch!(fn weight_grad_gemm = weight_grad_gemm_body(
     a_buf: &mut [f32],
     b_buf: &mut [f32],
 ));
+
+isa_dispatch!(fn weight_grad_gemm_t = weight_grad_gemm_t_body(
+    kern: &GemmKernel,
+    plan: &WeightGradPlan,
+    m: usize,
+    n: usize,
+    k: usize,
+    a: &TapRowsB,
+    b: &GradOutA,
+    out: &Output,
+    a_buf: &mut [f32],
+    b_buf: &mut [f32],
+));
+
+/// The transposed backward-weights GEMM as a kernel body for [`isa_dispatch`]: the operands
+/// swap roles (a `Panels` packer serves either side).
+///
+/// # Safety
+/// As [`gemm`].
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn weight_grad_gemm_t_body<const F: bool>(
+    kern: &GemmKernel,
+    plan: &WeightGradPlan,
+    m: usize,
+    n: usize,
+    k: usize,
+    a: &TapRowsB,
+    b: &GradOutA,
+    out: &Output,
+    a_buf: &mut [f32],
+    b_buf: &mut [f32],
+) {
+    gemm(kern, &plan.blk, m, n, k, a, b, out, a_buf, b_buf)
+}
 
 /// The backward-weights GEMM as a kernel body for [`isa_dispatch`].
 ///
@@ -787,6 +836,7 @@ impl Panels for TapRowsB<'_> {
 }
 
 impl BlockB for TapRowsB<'_> {}
+impl BlockB for GradOutA<'_> {}
 
 /// `db (+)= Σ over images and pixels of dy`, per output channel.
 pub(crate) fn grad_bias(g: &Geometry, dy: &[f32], db: &mut [f32], accumulate: bool) {

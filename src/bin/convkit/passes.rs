@@ -79,6 +79,13 @@ pub fn bench_layer(
     let p = Prepared::new(layer)?;
     let g = &p.geometry;
     let params = linear(&p.params, g);
+    let options = Options {
+        input_hint: Some(match pass {
+            Pass::Transposed => [g.oh, g.ow],
+            _ => [g.h, g.w],
+        }),
+        ..options
+    };
     let mut ws = Workspace::new();
     let (kernel, flops, cmp, median_s) = match pass {
         Pass::Forward => unreachable!("the forward pass is bench.rs's"),
