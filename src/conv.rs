@@ -7,7 +7,9 @@ use crate::algo::im2col_gemm::Im2colGemm;
 use crate::algo::winograd::{self, Winograd};
 use crate::algo::Algorithm;
 use crate::cpu::{Family, Isa};
+use crate::params::Geometry;
 use crate::plan::{AlgoPlan, Plan};
+use crate::storage::{to_f32_vec, Bands, Storage};
 use crate::{ConvParams, Error, Precision, Result};
 use std::sync::Arc;
 
@@ -180,6 +182,22 @@ impl Conv2d {
         })
     }
 
+    /// As [`new`](Self::new), with weights and bias stored as `T` (`f32`, [`half::f16`] or
+    /// [`half::bf16`]): they are widened to f32 once, here, and packed as f32 weights are.
+    /// Plans run on 16-bit tensors with [`Plan::run_storage`].
+    pub fn from_storage<T: Storage>(
+        params: ConvParams,
+        weights: &[T],
+        bias: Option<&[T]>,
+        options: Options,
+    ) -> Result<Self> {
+        params.validate()?;
+        params.check_weights_and_bias(weights.len(), bias.map(|b| b.len()))?;
+        let bias = bias.map(to_f32_vec);
+        Self::new(params, &to_f32_vec(weights), bias.as_deref(), options)
+    }
+
+    /// The convolution's parameters.
     pub fn params(&self) -> &ConvParams {
         &self.inner.params
     }
@@ -200,13 +218,23 @@ impl Conv2d {
             0 => rayon::current_num_threads(),
             t => t,
         };
-        let algo = match &self.inner.packed {
-            Packed::Im2colGemm(a) => AlgoPlan::Im2colGemm(a.plan(&geometry, threads)),
-            Packed::Depthwise(a) => AlgoPlan::Depthwise(a.plan(&geometry, threads)),
-            Packed::Direct(a) => AlgoPlan::Direct(a.plan(&geometry, threads)),
-            Packed::Winograd(a) => AlgoPlan::Winograd(a.plan(&geometry, threads)),
+        let plan_algo = |g: &Geometry| match &self.inner.packed {
+            Packed::Im2colGemm(a) => AlgoPlan::Im2colGemm(a.plan(g, threads)),
+            Packed::Depthwise(a) => AlgoPlan::Depthwise(a.plan(g, threads)),
+            Packed::Direct(a) => AlgoPlan::Direct(a.plan(g, threads)),
+            Packed::Winograd(a) => AlgoPlan::Winograd(a.plan(g, threads)),
         };
-        Ok(Plan::new(self.inner.clone(), geometry, algo))
+        let bands = Bands::new(&geometry, |g| {
+            let p = plan_algo(g);
+            let floats = p.workspace_floats();
+            (p, floats)
+        });
+        Ok(Plan::new(
+            self.inner.clone(),
+            geometry,
+            plan_algo(&geometry),
+            bands,
+        ))
     }
 }
 
@@ -341,6 +369,20 @@ impl Conv1d {
         check_1d(&params)?;
         Ok(Conv1d {
             conv: Conv2d::new(params, weights, bias, options)?,
+        })
+    }
+
+    /// As [`new`](Self::new), with weights and bias stored as `T` (`f32`, [`half::f16`] or
+    /// [`half::bf16`]), widened to f32 once, here.
+    pub fn from_storage<T: Storage>(
+        params: ConvParams,
+        weights: &[T],
+        bias: Option<&[T]>,
+        options: Options,
+    ) -> Result<Self> {
+        check_1d(&params)?;
+        Ok(Conv1d {
+            conv: Conv2d::from_storage(params, weights, bias, options)?,
         })
     }
 

@@ -11,6 +11,7 @@ use super::{for_each_worker, SendPtr};
 use crate::cpu::generated_layout::Transpose8x8;
 use crate::cpu::{self, Isa};
 use crate::params::Geometry;
+use crate::storage::{Storage, StorageType};
 use crate::{Activation, ConvParams, Error, Layout, Result};
 
 /// What one depthwise kernel call computes: output rows `oy0..oy1` of one channel plane
@@ -473,6 +474,32 @@ impl Depthwise {
                 activation.apply_slice(rows);
             }
         });
+    }
+
+    /// `Some(scratch floats)` when this plan reads `i` and writes `o` itself (16-bit kernels,
+    /// or conversions in the blocked mode's transposes); `None`: the caller converts.
+    pub(crate) fn half_workspace_floats(
+        &self,
+        _plan: &DwPlan,
+        _i: StorageType,
+        _o: StorageType,
+    ) -> Option<usize> {
+        None
+    }
+
+    /// Runs a planned convolution on 16-bit tensors, where `half_workspace_floats` says it can.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn run_half<I: Storage, O: Storage>(
+        &self,
+        _plan: &DwPlan,
+        _g: &Geometry,
+        _input: &[I],
+        _residual: Option<&[O]>,
+        _output: &mut [O],
+        _activation: Activation,
+        _scratch: &mut [f32],
+    ) {
+        unreachable!("half_workspace_floats said no")
     }
 
     fn channel_weights(&self) -> &ChannelWeights {
