@@ -115,10 +115,15 @@ impl Conv2d {
             }
             (None, a) => a.unwrap_or_else(|| choose(&params, isa, options.precision)),
         };
+        // A forced 16-bit depthwise kernel forces its f32 twin (same ISA, layout and shape):
+        // 16-bit runs take the twin's 16-bit kernel, which is the forced one.
         let dw_kernel = match forced {
-            Some(k) if k.family == Family::Depthwise => {
-                crate::cpu::dw_f32().iter().find(|d| d.name == k.name)
-            }
+            Some(k) if k.family == Family::Depthwise => crate::cpu::dw_f32().iter().find(|d| {
+                d.name == k.name
+                    || (k.storage != crate::StorageType::F32
+                        && (d.isa, Some(d.layout), d.fixed, d.ymm)
+                            == (k.isa, k.layout, k.fixed, false))
+            }),
             _ => None,
         };
         let direct_kernel = match forced {

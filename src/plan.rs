@@ -105,7 +105,9 @@ impl Plan {
             _ if i == StorageType::F32 && o == StorageType::F32 => {
                 Some(self.algo.workspace_floats())
             }
-            (Packed::Depthwise(a), AlgoPlan::Depthwise(p)) => a.half_workspace_floats(p, i, o),
+            (Packed::Depthwise(a), AlgoPlan::Depthwise(p)) => {
+                a.half_workspace_floats(p, i, o, self.conv.params.activation)
+            }
             _ => None,
         }
     }
@@ -125,6 +127,21 @@ impl Plan {
             (Packed::Depthwise(_), _) => unreachable!("a depthwise convolution plans a DwPlan"),
         };
         format!("{}/{}", self.conv.algorithm, kernel)
+    }
+
+    /// The kernel that runs [`run_storage`](Self::run_storage) with input type `I` and output
+    /// type `O`: `kernel_name()` where the algorithm reads those types itself, else
+    /// `bands+` and the f32 kernel that runs on the converted bands.
+    pub fn storage_kernel_name<I: Storage, O: Storage>(&self) -> String {
+        match (&self.conv.packed, &*self.algo) {
+            (Packed::Depthwise(a), AlgoPlan::Depthwise(p))
+                if self.native(I::TYPE, O::TYPE).is_some() =>
+            {
+                format!("{}/{}", self.conv.algorithm, a.half_kernel_name(p, I::TYPE))
+            }
+            _ if self.native(I::TYPE, O::TYPE).is_some() => self.kernel_name(),
+            _ => format!("bands+{}", self.kernel_name()),
+        }
     }
 
     /// How many times a plain sum of products' rounding error this plan's results may carry:

@@ -270,3 +270,129 @@ fn large_images_cross_bands() {
         }
     }
 }
+
+/// A uniform integer in `lo..hi`.
+fn int(rng: &mut Rng, lo: usize, hi: usize) -> usize {
+    lo + (rng.next_u64() % (hi - lo) as u64) as usize
+}
+
+/// Runs the 16-bit kernel `k` (forced with `Options::kernel`) on `n` random shapes it takes,
+/// with tensors of its type `T`, against the reference on the rounded data.
+fn check_half_kernel<T: Storage>(k: &convkit::cpu::KernelInfo, n: usize, seed: u64) {
+    use convkit::{Activation, ConvParams, Layout, Padding};
+    let mut rng = Rng::new(seed);
+    let mut ws = Workspace::new();
+    let mut ran = 0;
+    while ran < n {
+        let (kernel, stride, dilation) = match k.fixed {
+            Some((kk, s)) => ([kk, kk], [s, s], [1, 1]),
+            None => (
+                [int(&mut rng, 1, 8), int(&mut rng, 1, 8)],
+                [int(&mut rng, 1, 4), int(&mut rng, 1, 4)],
+                [int(&mut rng, 1, 3), int(&mut rng, 1, 3)],
+            ),
+        };
+        let layout = k.layout.unwrap_or(Layout::Nchw);
+        let channels = int(&mut rng, 1, 40);
+        // Plane kernels take any channel multiplier; channel kernels only 1.
+        let multiplier = match layout {
+            Layout::Nchw => [1, 1, 2][int(&mut rng, 0, 3)],
+            Layout::Nhwc => 1,
+        };
+        let (h, w) = if int(&mut rng, 0, 3) == 0 {
+            (int(&mut rng, 1, 40), int(&mut rng, 1, 90))
+        } else {
+            (int(&mut rng, 1, 14), int(&mut rng, 1, 20))
+        };
+        let pad = || int(&mut Rng::new(seed ^ ran as u64), 0, 4);
+        let act = [
+            Activation::None,
+            Activation::Relu,
+            Activation::Relu6,
+            Activation::Clamp {
+                min: -0.5,
+                max: 0.25,
+            },
+        ][int(&mut rng, 0, 4)];
+        let p = ConvParams::conv2d(channels, channels * multiplier, kernel)
+            .with_groups(channels)
+            .with_stride(stride)
+            .with_dilation(dilation)
+            .with_padding(if int(&mut rng, 0, 2) == 0 {
+                Padding::Same
+            } else {
+                Padding::Explicit {
+                    top: pad(),
+                    bottom: pad(),
+                    left: pad(),
+                    right: pad(),
+                }
+            })
+            .with_layout(layout)
+            .with_activation(act);
+        let batch = int(&mut rng, 1, 3);
+        let Ok(g) = p.geometry(batch, h, w) else {
+            continue;
+        };
+        let weights: Vec<T> = round(&rng.vec(p.weights_len().unwrap()));
+        let bias: Option<Vec<T>> =
+            (int(&mut rng, 0, 2) == 0).then(|| round(&rng.vec(p.out_channels)));
+        let input: Vec<T> = round(&rng.vec(g.input_len()));
+        let residual: Option<Vec<T>> =
+            (int(&mut rng, 0, 3) == 0).then(|| round(&rng.vec(g.output_len())));
+        let opts = Options {
+            threads: int(&mut rng, 1, 3),
+            kernel: Some(k.name),
+            ..Options::default()
+        };
+        let conv = Conv2d::from_storage(p, &weights, bias.as_deref(), opts)
+            .unwrap_or_else(|e| panic!("{}: {p:?}: {e}", k.name));
+        let plan = conv.plan(batch, h, w).unwrap();
+        let name = plan.storage_kernel_name::<T, T>();
+        assert!(name.contains(k.name), "forced {} but {name} ran", k.name);
+        let out = run(&plan, &input, residual.as_deref(), &mut ws);
+        let want = reference::conv(
+            &p,
+            batch,
+            h,
+            w,
+            &widen(&input),
+            &widen(&weights),
+            bias.as_ref().map(|b| widen(b)).as_deref(),
+            residual.as_ref().map(|r| widen(r)).as_deref(),
+        )
+        .unwrap();
+        let u = T::TYPE.unit_roundoff();
+        for (i, (&y, &r)) in out.iter().zip(&want.values).enumerate() {
+            let bound = want.tolerance(i) * (1.0 + u) + u * r.abs() + tiny(T::TYPE);
+            let err = (y as f64 - r).abs();
+            assert!(
+                err <= bound,
+                "{name} on {p:?} batch {batch} {h}x{w}: output {i} is {y}, reference {r}, error {err:e} > {bound:e}"
+            );
+        }
+        ran += 1;
+    }
+}
+
+/// Every 16-bit kernel of the registry this CPU runs, on random shapes it takes: a kernel the
+/// generator's table adds is tested here without a test of its own.
+#[test]
+fn every_half_kernel_matches_reference() {
+    let kernels: Vec<_> = convkit::cpu::registry()
+        .into_iter()
+        .filter(|k| k.storage != StorageType::F32 && Isa::available().contains(&k.isa))
+        .collect();
+    assert!(
+        kernels.iter().any(|k| k.storage == StorageType::F16)
+            && kernels.iter().any(|k| k.storage == StorageType::Bf16),
+        "no 16-bit depthwise kernel in the registry"
+    );
+    let n = cases(12) as usize;
+    for (i, k) in kernels.iter().enumerate() {
+        match k.storage {
+            StorageType::F16 => check_half_kernel::<f16>(k, n, 0xF16 + i as u64),
+            _ => check_half_kernel::<bf16>(k, n, 0xBF16 + i as u64),
+        }
+    }
+}

@@ -11,7 +11,7 @@ use super::{for_each_worker, SendPtr};
 use crate::cpu::generated_layout::Transpose8x8;
 use crate::cpu::{self, Isa};
 use crate::params::Geometry;
-use crate::storage::{Storage, StorageType};
+use crate::storage::{narrow, widen, Storage, StorageType};
 use crate::{Activation, ConvParams, Error, Layout, Result};
 
 /// What one depthwise kernel call computes: output rows `oy0..oy1` of one channel plane
@@ -62,6 +62,9 @@ pub struct DwKernel {
     pub block: usize,
     /// An 8-lane variant of a 16-lane ISA, for narrow images.
     pub ymm: bool,
+    /// The type of `input`, `output` and `residual`: f32, or f16/bf16 (passed cast to
+    /// `*const f32`; weights and bias are f32 in every kernel).
+    pub storage: StorageType,
 }
 
 /// Channels the channel-major packing pads to, and the block of channels the blocked NCHW
@@ -103,6 +106,20 @@ pub(crate) struct Depthwise {
     transpose: Transpose8x8,
     /// The mode a forced kernel runs in.
     forced_mode: Option<Mode>,
+    /// The ISA level the kernels were chosen for.
+    isa: Isa,
+}
+
+/// The ISA of the 16-bit kernels run at level `isa`, if there are any: AVX2 needs F16C (every
+/// AVX2 CPU has it, and x86-64-v3 detection checks it), AVX-512 masks 16-bit lanes (BW + VL,
+/// part of the level's detection); NEON runs the bands' conversions around its f32 kernels.
+fn half_isa(isa: Isa) -> Option<Isa> {
+    match isa {
+        Isa::Scalar => Some(Isa::Scalar),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 | Isa::Avx512 if std::arch::is_x86_feature_detected!("f16c") => Some(isa),
+        _ => None,
+    }
 }
 
 pub(crate) struct DwPlan {
@@ -119,6 +136,8 @@ pub(crate) struct DwPlan {
     /// Blocked: scratch floats a worker needs (padded input pixels, output pixels of one
     /// block).
     scratch_per_worker: usize,
+    /// Blocked, 16-bit tensors: the f32 planes of one block's input and output besides.
+    half_extra: usize,
 }
 
 impl DwPlan {
@@ -251,6 +270,7 @@ impl Depthwise {
             multiplier: p.out_channels / p.in_channels,
             transpose: cpu::transpose_8x8(isa),
             forced_mode,
+            isa,
         })
     }
 
@@ -299,6 +319,10 @@ impl Depthwise {
                 Mode::Blocked => blocked_scratch(g, kern),
                 _ => 0,
             },
+            half_extra: match mode {
+                Mode::Blocked => BLOCK * (g.h * g.w + g.oh * g.ow),
+                _ => 0,
+            },
         }
     }
 
@@ -322,9 +346,104 @@ impl Depthwise {
         activation: Activation,
         scratch: &mut [f32],
     ) {
+        let scratch = &mut scratch[..plan.workspace_floats()];
+        self.run_typed(
+            plan, plan.kern, g, input, residual, output, activation, scratch,
+        );
+    }
+
+    /// The 16-bit kernel twin of `plan`'s f32 kernel for tensors of type `t`, if this build
+    /// and CPU have one: plane and channel modes only (the blocked mode converts in its
+    /// transposes).
+    fn half_kernel(&self, plan: &DwPlan, t: StorageType) -> Option<&'static DwKernel> {
+        if matches!(plan.mode, Mode::Blocked) {
+            return None;
+        }
+        let isa = half_isa(self.isa)?;
+        let k = plan.kern;
+        let mine = |h: &&DwKernel| h.isa == isa && h.storage == t && h.layout == k.layout;
+        let half = cpu::dw_half();
+        half.iter()
+            .filter(mine)
+            .find(|h| h.fixed == k.fixed)
+            .or_else(|| half.iter().filter(mine).find(|h| h.fixed.is_none()))
+    }
+
+    /// `Some(scratch floats)` when this plan reads `i` and writes `o` itself: a 16-bit kernel
+    /// (`i == o`, an activation the kernel applies in registers), or the blocked mode, whose
+    /// transposes convert (any types); `None`: the caller converts.
+    pub(crate) fn half_workspace_floats(
+        &self,
+        plan: &DwPlan,
+        i: StorageType,
+        o: StorageType,
+        activation: Activation,
+    ) -> Option<usize> {
+        match plan.mode {
+            Mode::Blocked => Some(plan.workers * (plan.scratch_per_worker + plan.half_extra)),
+            _ if i == o && !activation.needs_pass() => self.half_kernel(plan, i).map(|_| 0),
+            _ => None,
+        }
+    }
+
+    /// The kernel (and conversions) `run_half` runs.
+    pub(crate) fn half_kernel_name(&self, plan: &DwPlan, i: StorageType) -> String {
+        match self.half_kernel(plan, i) {
+            Some(k) => k.name.to_string(),
+            None => format!("convert+{}", Self::kernel_name(plan)),
+        }
+    }
+
+    /// Runs a planned convolution on tensors of types `I` and `O`, where
+    /// `half_workspace_floats` says it can. Slice lengths were checked by the caller.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn run_half<I: Storage, O: Storage>(
+        &self,
+        plan: &DwPlan,
+        g: &Geometry,
+        input: &[I],
+        residual: Option<&[O]>,
+        output: &mut [O],
+        activation: Activation,
+        scratch: &mut [f32],
+    ) {
+        let floats = self
+            .half_workspace_floats(plan, I::TYPE, O::TYPE, activation)
+            .expect("run_half runs only what half_workspace_floats takes");
+        let kern = self.half_kernel(plan, I::TYPE).unwrap_or(plan.kern);
+        self.run_typed(
+            plan,
+            kern,
+            g,
+            input,
+            residual,
+            output,
+            activation,
+            &mut scratch[..floats],
+        );
+    }
+
+    /// Runs `kern` (of `I` tensors, or f32 ones in the blocked mode) over `plan`'s items.
+    #[allow(clippy::too_many_arguments)]
+    fn run_typed<I: Storage, O: Storage>(
+        &self,
+        plan: &DwPlan,
+        kern: &'static DwKernel,
+        g: &Geometry,
+        input: &[I],
+        residual: Option<&[O]>,
+        output: &mut [O],
+        activation: Activation,
+        scratch: &mut [f32],
+    ) {
         let (min, max) = activation.clamp_bounds();
-        let out = SendPtr(output.as_mut_ptr());
-        let res = SendPtr(residual.map_or(std::ptr::null_mut(), |r| r.as_ptr() as *mut f32));
+        let out = SendPtr(output.as_mut_ptr() as *mut f32);
+        // Element `off` of the output (or the residual), as the kernels take it.
+        let out_at = |off: usize| (out.get() as *mut O).wrapping_add(off) as *mut f32;
+        let res_at = |off: usize| match residual {
+            Some(r) => r.as_ptr().wrapping_add(off) as *const f32,
+            None => std::ptr::null(),
+        };
         let args = |input: *const f32, output: *mut f32, residual: *const f32| DwArgs {
             input,
             output,
@@ -349,20 +468,12 @@ impl Depthwise {
             min,
             max,
         };
-        let offset = |p: SendPtr, off: usize| {
-            if p.get().is_null() {
-                std::ptr::null()
-            } else {
-                p.get().wrapping_add(off) as *const f32
-            }
-        };
         let (hw, ohw) = (g.h * g.w, g.oh * g.ow);
-        let scratch = &mut scratch[..plan.workspace_floats()];
         for_each_worker(plan.workers, plan.items, scratch, |s, item| {
             let unit = item / plan.bands;
             let oy0 = item % plan.bands * plan.band_rows;
             let oy1 = (oy0 + plan.band_rows).min(g.oh);
-            // Output floats this item writes: its activation pass runs over them.
+            // f32 outputs this item writes: its activation pass runs over them.
             let written = match plan.mode {
                 Mode::Planes => {
                     let (n, oc) = (unit / g.c_out, unit % g.c_out);
@@ -377,15 +488,18 @@ impl Depthwise {
                         oy0,
                         oy1,
                         ..args(
-                            input[(n * g.c_in + oc / self.multiplier) * hw..].as_ptr(),
-                            out.get().wrapping_add(o),
-                            offset(res, o),
+                            input[(n * g.c_in + oc / self.multiplier) * hw..].as_ptr()
+                                as *const f32,
+                            out_at(o),
+                            res_at(o),
                         )
                     };
-                    // SAFETY: the kernel's ISA was checked when the weights were packed; the
-                    // input, output and residual hold the geometry's tensors (lengths checked)
-                    // and the weights and bias were packed for it; items write disjoint rows.
-                    unsafe { (plan.kern.func)(&a) };
+                    // SAFETY: the kernel's ISA was checked when the weights were packed (a
+                    // 16-bit kernel's by `half_isa`) and it reads and writes `I` = `O`
+                    // elements (`half_kernel`); the input, output and residual hold the
+                    // geometry's tensors (lengths checked) and the weights and bias were
+                    // packed for it; items write disjoint rows.
+                    unsafe { (kern.func)(&a) };
                     o + oy0 * g.ow..o + oy1 * g.ow
                 }
                 Mode::Channels => {
@@ -399,13 +513,13 @@ impl Depthwise {
                         oy0,
                         oy1,
                         ..args(
-                            input[unit * hw * g.c_in..].as_ptr(),
-                            out.get().wrapping_add(o),
-                            offset(res, o),
+                            input[unit * hw * g.c_in..].as_ptr() as *const f32,
+                            out_at(o),
+                            res_at(o),
                         )
                     };
                     // SAFETY: as above.
-                    unsafe { (plan.kern.func)(&a) };
+                    unsafe { (kern.func)(&a) };
                     o + oy0 * row..o + oy1 * row
                 }
                 Mode::Blocked => {
@@ -414,18 +528,20 @@ impl Depthwise {
                     let (n, c0) = (unit / blocks, unit % blocks * BLOCK);
                     let cb = BLOCK.min(g.c_out - c0);
                     let (hp, wp, owp) = plan.padded;
-                    let (pix_in, pix_out) = s.split_at_mut(BLOCK * hp * wp);
+                    let (pix_in, rest) = s.split_at_mut(BLOCK * hp * wp);
+                    let (pix_out, extra) = rest.split_at_mut(BLOCK * g.oh * owp);
                     let first = (n * g.c_out + c0) * hw;
-                    to_pixels(
-                        self.transpose,
-                        &input[first..first + cb * hw],
-                        g,
-                        wp,
-                        cb,
-                        &mut pix_in[..cb * hp * wp],
-                    );
+                    let src = &input[first..first + cb * hw];
+                    let (planes_in, planes_out) = extra.split_at_mut(extra.len().min(BLOCK * hw));
+                    let src: &[f32] = if I::TYPE == StorageType::F32 {
+                        bytemuck::cast_slice(src)
+                    } else {
+                        widen(src, &mut planes_in[..cb * hw]);
+                        &planes_in[..cb * hw]
+                    };
+                    to_pixels(self.transpose, src, g, wp, cb, &mut pix_in[..cb * hp * wp]);
                     let o = (n * g.c_out + c0) * ohw;
-                    let has_res = !res.get().is_null();
+                    let has_res = residual.is_some();
                     let a = DwArgs {
                         weights: cw.weights[c0..].as_ptr(),
                         bias: cw.bias[c0..].as_ptr(),
@@ -441,65 +557,62 @@ impl Depthwise {
                         max: if has_res { f32::INFINITY } else { max },
                         ..args(pix_in.as_ptr(), pix_out.as_mut_ptr(), std::ptr::null())
                     };
-                    // SAFETY: as above; the kernel reads and writes the worker's own scratch,
-                    // which holds one block's padded input and output pixels.
-                    unsafe { (plan.kern.func)(&a) };
+                    // SAFETY: as above; `kern` is the f32 channel kernel, reading and writing
+                    // the worker's own scratch, which holds one block's padded input and
+                    // output pixels.
+                    unsafe { (kern.func)(&a) };
                     // SAFETY: this block's planes, inside the output (length checked), written
                     // by no other item.
-                    let dst = unsafe { std::slice::from_raw_parts_mut(out.get().add(o), cb * ohw) };
-                    let res = has_res.then(|| {
-                        // SAFETY: the residual has the output's length (checked).
-                        unsafe { std::slice::from_raw_parts(res.get().add(o), cb * ohw) }
-                    });
-                    to_planes(
-                        self.transpose,
-                        &pix_out[..cb * g.oh * owp],
-                        g,
-                        owp,
-                        cb,
-                        dst,
-                        res,
-                        min,
-                        max,
-                    );
-                    o..o + cb * ohw
+                    let dst = unsafe {
+                        std::slice::from_raw_parts_mut((out.get() as *mut O).add(o), cb * ohw)
+                    };
+                    let res = residual.map(|r| &r[o..o + cb * ohw]);
+                    if O::TYPE == StorageType::F32 {
+                        let dst: &mut [f32] = bytemuck::cast_slice_mut(dst);
+                        let res: Option<&[f32]> = res.map(bytemuck::cast_slice);
+                        to_planes(
+                            self.transpose,
+                            &pix_out[..cb * g.oh * owp],
+                            g,
+                            owp,
+                            cb,
+                            dst,
+                            res,
+                            min,
+                            max,
+                        );
+                        o..o + cb * ohw
+                    } else {
+                        // Residual, clamp and activation in f32, then one rounding.
+                        let y = &mut planes_out[..cb * ohw];
+                        let pix = &pix_out[..cb * g.oh * owp];
+                        to_planes(self.transpose, pix, g, owp, cb, y, None, min, max);
+                        if let Some(r) = res {
+                            for (v, r) in y.iter_mut().zip(r) {
+                                *v = (*v + r.to_f32()).max(min).min(max);
+                            }
+                        }
+                        if activation.needs_pass() {
+                            activation.apply_slice(y);
+                        }
+                        narrow(y, dst);
+                        o..o
+                    }
                 }
             };
-            if activation.needs_pass() {
+            if activation.needs_pass() && !written.is_empty() {
+                assert!(
+                    O::TYPE == StorageType::F32,
+                    "16-bit kernels apply clamps only"
+                );
                 // SAFETY: this item's outputs, inside the output (checked length), written by
-                // no other item.
+                // no other item; `O` is f32.
                 let rows = unsafe {
                     std::slice::from_raw_parts_mut(out.get().add(written.start), written.len())
                 };
                 activation.apply_slice(rows);
             }
         });
-    }
-
-    /// `Some(scratch floats)` when this plan reads `i` and writes `o` itself (16-bit kernels,
-    /// or conversions in the blocked mode's transposes); `None`: the caller converts.
-    pub(crate) fn half_workspace_floats(
-        &self,
-        _plan: &DwPlan,
-        _i: StorageType,
-        _o: StorageType,
-    ) -> Option<usize> {
-        None
-    }
-
-    /// Runs a planned convolution on 16-bit tensors, where `half_workspace_floats` says it can.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn run_half<I: Storage, O: Storage>(
-        &self,
-        _plan: &DwPlan,
-        _g: &Geometry,
-        _input: &[I],
-        _residual: Option<&[O]>,
-        _output: &mut [O],
-        _activation: Activation,
-        _scratch: &mut [f32],
-    ) {
-        unreachable!("half_workspace_floats said no")
     }
 
     fn channel_weights(&self) -> &ChannelWeights {
