@@ -171,6 +171,7 @@ impl Conv2d {
                     isa,
                     algorithm == Algorithm::DepthwiseGeneric,
                     dw_kernel,
+                    forced.is_some_and(|k| k.storage != crate::StorageType::F32),
                 )?)
             }
         };

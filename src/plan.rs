@@ -137,7 +137,11 @@ impl Plan {
             (Packed::Depthwise(a), AlgoPlan::Depthwise(p))
                 if self.native(I::TYPE, O::TYPE).is_some() =>
             {
-                format!("{}/{}", self.conv.algorithm, a.half_kernel_name(p, I::TYPE))
+                format!(
+                    "{}/{}",
+                    self.conv.algorithm,
+                    a.half_kernel_name(p, I::TYPE, O::TYPE, self.conv.params.activation)
+                )
             }
             _ if self.native(I::TYPE, O::TYPE).is_some() => self.kernel_name(),
             _ => format!("bands+{}", self.kernel_name()),

@@ -118,40 +118,130 @@ pub(crate) fn bf16_bits(x: f32) -> u16 {
     ((b + 0x7fff + ((b >> 16) & 1)) >> 16) as u16
 }
 
-/// Widens `src` into `dst` (same length).
+/// Widens `src` into `dst` (same length): 8 at a time with F16C / AVX2 where the CPU has them.
 pub(crate) fn widen<T: Storage>(src: &[T], dst: &mut [f32]) {
     debug_assert_eq!(src.len(), dst.len());
-    match T::TYPE {
-        StorageType::F32 => dst.copy_from_slice(bytemuck::cast_slice(src)),
-        StorageType::F16 => {
-            use half::slice::HalfFloatSliceExt;
-            let s: &[f16] = bytemuck::cast_slice(src);
-            s.convert_to_f32_slice(dst);
-        }
-        StorageType::Bf16 => {
-            let s: &[u16] = bytemuck::cast_slice(src);
-            for (d, &b) in dst.iter_mut().zip(s) {
-                *d = f32::from_bits((b as u32) << 16);
-            }
-        }
+    let n = src.len().min(dst.len());
+    let (src, dst) = (&src[..n], &mut dst[..n]);
+    if T::TYPE == StorageType::F32 {
+        dst.copy_from_slice(bytemuck::cast_slice(src));
+        return;
+    }
+    let bits: &[u16] = bytemuck::cast_slice(src);
+    #[cfg(target_arch = "x86_64")]
+    if x86::available() {
+        // SAFETY: the CPU has AVX2 and F16C (checked); the slices have the same length.
+        unsafe { x86::widen(T::TYPE == StorageType::F16, bits, dst) };
+        return;
+    }
+    for (d, &b) in dst.iter_mut().zip(bits) {
+        *d = match T::TYPE {
+            StorageType::F16 => f16::from_bits(b).to_f32(),
+            _ => f32::from_bits((b as u32) << 16),
+        };
     }
 }
 
-/// Rounds `src` into `dst` (same length).
+/// Rounds `src` into `dst` (same length): 8 at a time with F16C / AVX2 where the CPU has them.
 pub(crate) fn narrow<T: Storage>(src: &[f32], dst: &mut [T]) {
     debug_assert_eq!(src.len(), dst.len());
-    match T::TYPE {
-        StorageType::F32 => bytemuck::cast_slice_mut(dst).copy_from_slice(src),
-        StorageType::F16 => {
-            use half::slice::HalfFloatSliceExt;
-            let d: &mut [f16] = bytemuck::cast_slice_mut(dst);
-            d.convert_from_f32_slice(src);
-        }
-        StorageType::Bf16 => {
-            let d: &mut [u16] = bytemuck::cast_slice_mut(dst);
-            for (d, &x) in d.iter_mut().zip(src) {
-                *d = bf16_bits(x);
+    let n = src.len().min(dst.len());
+    let (src, dst) = (&src[..n], &mut dst[..n]);
+    if T::TYPE == StorageType::F32 {
+        bytemuck::cast_slice_mut(dst).copy_from_slice(src);
+        return;
+    }
+    let bits: &mut [u16] = bytemuck::cast_slice_mut(dst);
+    #[cfg(target_arch = "x86_64")]
+    if x86::available() {
+        // SAFETY: the CPU has AVX2 and F16C (checked); the slices have the same length.
+        unsafe { x86::narrow(T::TYPE == StorageType::F16, src, bits) };
+        return;
+    }
+    for (d, &x) in bits.iter_mut().zip(src) {
+        *d = match T::TYPE {
+            StorageType::F16 => f16::from_f32(x).to_bits(),
+            _ => bf16_bits(x),
+        };
+    }
+}
+
+/// The slice conversions in AVX2 + F16C.
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::{bf16_bits, f16};
+    use core::arch::x86_64::*;
+
+    /// True if the CPU has AVX2 and F16C.
+    pub(super) fn available() -> bool {
+        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("f16c")
+    }
+
+    /// f16 (`is_f16`) or bf16 bits widened to f32.
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and F16C; `dst` is at least as long as `src`.
+    #[target_feature(enable = "avx2,f16c")]
+    pub(super) unsafe fn widen(is_f16: bool, src: &[u16], dst: &mut [f32]) {
+        let n = src.len();
+        let mut i = 0;
+        while i + 8 <= n {
+            // SAFETY: elements `i..i + 8` are inside both slices.
+            unsafe {
+                let h = _mm_loadu_si128(src.as_ptr().add(i) as *const __m128i);
+                let v = if is_f16 {
+                    _mm256_cvtph_ps(h)
+                } else {
+                    _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+                };
+                _mm256_storeu_ps(dst.as_mut_ptr().add(i), v);
             }
+            i += 8;
+        }
+        for (d, &b) in dst[i..n].iter_mut().zip(&src[i..]) {
+            *d = if is_f16 {
+                f16::from_bits(b).to_f32()
+            } else {
+                f32::from_bits((b as u32) << 16)
+            };
+        }
+    }
+
+    /// f32 rounded (to nearest, ties to even) to f16 (`is_f16`) or bf16 bits.
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and F16C; `dst` is at least as long as `src`.
+    #[target_feature(enable = "avx2,f16c")]
+    pub(super) unsafe fn narrow(is_f16: bool, src: &[f32], dst: &mut [u16]) {
+        let n = src.len();
+        let mut i = 0;
+        while i + 8 <= n {
+            // SAFETY: elements `i..i + 8` are inside both slices.
+            unsafe {
+                let x = _mm256_loadu_ps(src.as_ptr().add(i));
+                let h = if is_f16 {
+                    _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x)
+                } else {
+                    // Add 0x7fff and the lowest kept bit; NaN stays a quiet NaN.
+                    let b = _mm256_castps_si256(x);
+                    let odd = _mm256_and_si256(_mm256_srli_epi32::<16>(b), _mm256_set1_epi32(1));
+                    let r = _mm256_add_epi32(b, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff)));
+                    let q = _mm256_or_si256(b, _mm256_set1_epi32(0x40_0000));
+                    let nan = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(x, x));
+                    let r = _mm256_srli_epi32::<16>(_mm256_blendv_epi8(r, q, nan));
+                    let w = _mm256_packus_epi32(r, r);
+                    _mm256_castsi256_si128(_mm256_permute4x64_epi64::<0b1000>(w))
+                };
+                _mm_storeu_si128(dst.as_mut_ptr().add(i) as *mut __m128i, h);
+            }
+            i += 8;
+        }
+        for (d, &x) in dst[i..n].iter_mut().zip(&src[i..]) {
+            *d = if is_f16 {
+                f16::from_f32(x).to_bits()
+            } else {
+                bf16_bits(x)
+            };
         }
     }
 }
@@ -354,6 +444,47 @@ mod tests {
         assert_eq!(bf16_bits(f32::INFINITY), bf16::INFINITY.to_bits());
         // Ties: 1 + 2^-8 is half-way between 1 and 1 + 2^-7: to the even one, 1.
         assert_eq!(bf16_bits(1.0 + 1.0 / 256.0), bf16::from_f32(1.0).to_bits());
+    }
+
+    #[test]
+    fn slice_conversions_match_the_scalar_ones() {
+        // Ties, NaN, infinities, subnormals, overflow, and a tail past the last 8.
+        let mut xs: Vec<f32> = (0..203).map(|i| (i as f32 - 100.0) * 0.013_7).collect();
+        xs.extend([
+            f32::NAN,
+            -f32::NAN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            1e-40,
+            7e4,
+            1.0 + 1.0 / 256.0,
+            1.0 + 3.0 / 256.0,
+            1.0 + 1.0 / 2048.0,
+            -0.0,
+            65520.0,
+        ]);
+        let mut h = vec![f16::ZERO; xs.len()];
+        let mut b = vec![bf16::ZERO; xs.len()];
+        narrow(&xs, &mut h);
+        narrow(&xs, &mut b);
+        for (i, &x) in xs.iter().enumerate() {
+            let (wh, wb) = (f16::from_f32(x), bf16::from_bits(bf16_bits(x)));
+            assert!(
+                h[i].to_bits() == wh.to_bits() || (x.is_nan() && h[i].is_nan()),
+                "{x}"
+            );
+            assert!(
+                b[i].to_bits() == wb.to_bits() || (x.is_nan() && b[i].is_nan()),
+                "{x}"
+            );
+        }
+        let (mut fh, mut fb) = (vec![0.0; xs.len()], vec![0.0; xs.len()]);
+        widen(&h, &mut fh);
+        widen(&b, &mut fb);
+        for i in 0..xs.len() {
+            assert!(fh[i].to_bits() == h[i].to_f32().to_bits() || fh[i].is_nan());
+            assert!(fb[i].to_bits() == b[i].to_f32().to_bits() || fb[i].is_nan());
+        }
     }
 
     #[test]

@@ -108,6 +108,8 @@ pub(crate) struct Depthwise {
     forced_mode: Option<Mode>,
     /// The ISA level the kernels were chosen for.
     isa: Isa,
+    /// A 16-bit kernel was forced: 16-bit runs take it.
+    forced_half: bool,
 }
 
 /// The ISA of the 16-bit kernels run at level `isa`, if there are any: AVX2 needs F16C (every
@@ -136,8 +138,13 @@ pub(crate) struct DwPlan {
     /// Blocked: scratch floats a worker needs (padded input pixels, output pixels of one
     /// block).
     scratch_per_worker: usize,
-    /// Blocked, 16-bit tensors: the f32 planes of one block's input and output besides.
+    /// 16-bit tensors through f32 kernels, scratch floats a worker needs besides: blocked,
+    /// the f32 planes of one block's input and output; planes and channels, a tile of
+    /// `tile_rows` output rows and the input rows they read (`tile_in` floats, a whole
+    /// number of cache lines).
     half_extra: usize,
+    tile_rows: usize,
+    tile_in: usize,
 }
 
 impl DwPlan {
@@ -165,7 +172,8 @@ impl Depthwise {
     }
 
     /// Packs the weights for `p`; `generic` forces the generic kernels, `forced` one kernel
-    /// (of `isa`): an NHWC kernel forced on NCHW runs the blocked mode.
+    /// (of `isa`): an NHWC kernel forced on NCHW runs the blocked mode. `forced_half`: the
+    /// kernel forced was a 16-bit one (`forced` is its f32 twin), which 16-bit runs take.
     pub(crate) fn new(
         p: &ConvParams,
         weights: &[f32],
@@ -173,6 +181,7 @@ impl Depthwise {
         isa: Isa,
         generic: bool,
         forced: Option<&'static DwKernel>,
+        forced_half: bool,
     ) -> Result<Self> {
         let name = if generic {
             "depthwise_generic"
@@ -271,6 +280,7 @@ impl Depthwise {
             transpose: cpu::transpose_8x8(isa),
             forced_mode,
             isa,
+            forced_half,
         })
     }
 
@@ -307,6 +317,17 @@ impl Depthwise {
         let bands = g.oh.div_ceil(band_rows);
         let items = units * bands;
         let (hp, wp, owp) = blocked_sizes(g, kern);
+        // 16-bit tensors through the f32 kernels: tiles of rows converted in L1.
+        let (per_in_row, per_out_row) = match mode {
+            Mode::Planes => (g.w, g.ow),
+            _ => (g.w * g.c_in, g.ow * g.c_out),
+        };
+        let mut tile_rows = (TILE_FLOATS / (per_in_row * g.sh + per_out_row).max(1)).clamp(1, g.oh);
+        if tile_rows > kern.block && matches!(mode, Mode::Planes) {
+            tile_rows = tile_rows / kern.block * kern.block;
+        }
+        let span = (g.kh - 1) * g.dh + 1;
+        let tile_in = (((tile_rows - 1) * g.sh + span).min(g.h) * per_in_row).next_multiple_of(16);
         DwPlan {
             mode,
             kern,
@@ -321,8 +342,10 @@ impl Depthwise {
             },
             half_extra: match mode {
                 Mode::Blocked => BLOCK * (g.h * g.w + g.oh * g.ow),
-                _ => 0,
+                _ => tile_in + tile_rows * per_out_row,
             },
+            tile_rows,
+            tile_in,
         }
     }
 
@@ -379,16 +402,37 @@ impl Depthwise {
         o: StorageType,
         activation: Activation,
     ) -> Option<usize> {
-        match plan.mode {
-            Mode::Blocked => Some(plan.workers * (plan.scratch_per_worker + plan.half_extra)),
-            _ if i == o && !activation.needs_pass() => self.half_kernel(plan, i).map(|_| 0),
-            _ => None,
+        match self.half_choice(plan, i, o, activation) {
+            Some(_) => Some(0),
+            None => Some(plan.workers * (plan.scratch_per_worker + plan.half_extra)),
         }
     }
 
+    /// The 16-bit kernel that runs `i` -> `o` tensors, or `None` where the f32 kernel runs on
+    /// converted tiles (or blocks): a 16-bit kernel needs `i == o`, an activation it applies
+    /// in registers, and `forced_half` or [`PREFER_HALF_KERNELS`].
+    fn half_choice(
+        &self,
+        plan: &DwPlan,
+        i: StorageType,
+        o: StorageType,
+        activation: Activation,
+    ) -> Option<&'static DwKernel> {
+        if i != o || activation.needs_pass() || !(self.forced_half || PREFER_HALF_KERNELS) {
+            return None;
+        }
+        self.half_kernel(plan, i)
+    }
+
     /// The kernel (and conversions) `run_half` runs.
-    pub(crate) fn half_kernel_name(&self, plan: &DwPlan, i: StorageType) -> String {
-        match self.half_kernel(plan, i) {
+    pub(crate) fn half_kernel_name(
+        &self,
+        plan: &DwPlan,
+        i: StorageType,
+        o: StorageType,
+        activation: Activation,
+    ) -> String {
+        match self.half_choice(plan, i, o, activation) {
             Some(k) => k.name.to_string(),
             None => format!("convert+{}", Self::kernel_name(plan)),
         }
@@ -410,7 +454,9 @@ impl Depthwise {
         let floats = self
             .half_workspace_floats(plan, I::TYPE, O::TYPE, activation)
             .expect("run_half runs only what half_workspace_floats takes");
-        let kern = self.half_kernel(plan, I::TYPE).unwrap_or(plan.kern);
+        let kern = self
+            .half_choice(plan, I::TYPE, O::TYPE, activation)
+            .unwrap_or(plan.kern);
         self.run_typed(
             plan,
             kern,
@@ -469,6 +515,71 @@ impl Depthwise {
             max,
         };
         let (hw, ohw) = (g.h * g.w, g.oh * g.ow);
+        // 16-bit tensors, f32 kernel: tiles of rows converted in the worker's scratch.
+        let tiled = kern.storage == StorageType::F32
+            && (I::TYPE != StorageType::F32 || O::TYPE != StorageType::F32);
+        let has_res = residual.is_some();
+        // Runs the f32 kernel `a` (at output row 0 of its tile) on output rows `oy0..oy1` of
+        // a unit whose input is `x` (`per_in` floats a row) and output starts at `o`
+        // (`per_out` floats a row), a tile of rows at a time, converting on the way in and out.
+        let run_tiles = |s: &mut [f32],
+                         a: DwArgs,
+                         x: &[I],
+                         per_in: usize,
+                         per_out: usize,
+                         o: usize,
+                         oy0: usize,
+                         oy1: usize| {
+            let (tin, tout) = s.split_at_mut(plan.tile_in);
+            let span = ((g.kh - 1) * g.dh + 1) as isize;
+            let mut y0 = oy0;
+            while y0 < oy1 {
+                let y1 = (y0 + plan.tile_rows).min(oy1);
+                let start = (y0 * g.sh) as isize - g.pad_top as isize;
+                let end = ((y1 - 1) * g.sh) as isize + span - g.pad_top as isize;
+                let lo = start.clamp(0, g.h as isize);
+                let hi = end.clamp(lo, g.h as isize);
+                let (lo, hi) = (lo as usize, hi as usize);
+                widen(&x[lo * per_in..hi * per_in], &mut tin[..(hi - lo) * per_in]);
+                let len = (y1 - y0) * per_out;
+                let y = &mut tout[..len];
+                let t = DwArgs {
+                    input: tin.as_ptr(),
+                    output: y.as_mut_ptr(),
+                    residual: std::ptr::null(),
+                    in_h: hi - lo,
+                    pad_top: if hi > lo {
+                        (lo as isize - start) as usize
+                    } else {
+                        0
+                    },
+                    oy0: 0,
+                    oy1: y1 - y0,
+                    // With a residual the clamp waits until it is added.
+                    min: if has_res { f32::NEG_INFINITY } else { min },
+                    max: if has_res { f32::INFINITY } else { max },
+                    ..a
+                };
+                // SAFETY: the f32 kernel of the plan (its ISA checked at create), on the
+                // tile's rows `lo..hi` of the unit's input (converted above, `in_h` of them)
+                // and `y1 - y0` output rows of the scratch.
+                unsafe { (kern.func)(&t) };
+                let at = o + y0 * per_out;
+                // SAFETY: this item's output rows, inside the output (length checked), written
+                // by no other item.
+                let dst =
+                    unsafe { std::slice::from_raw_parts_mut((out.get() as *mut O).add(at), len) };
+                finish(
+                    y,
+                    residual.map(|r| &r[at..at + len]),
+                    dst,
+                    min,
+                    max,
+                    activation,
+                );
+                y0 = y1;
+            }
+        };
         for_each_worker(plan.workers, plan.items, scratch, |s, item| {
             let unit = item / plan.bands;
             let oy0 = item % plan.bands * plan.band_rows;
@@ -482,6 +593,16 @@ impl Depthwise {
                     };
                     let taps = g.kh * g.kw;
                     let o = unit * ohw;
+                    if tiled {
+                        let first = (n * g.c_in + oc / self.multiplier) * hw;
+                        let a = DwArgs {
+                            weights: weights[oc * taps..].as_ptr(),
+                            bias: &bias[oc],
+                            ..args(std::ptr::null(), std::ptr::null_mut(), std::ptr::null())
+                        };
+                        run_tiles(s, a, &input[first..first + hw], g.w, g.ow, o, oy0, oy1);
+                        return;
+                    }
                     let a = DwArgs {
                         weights: weights[oc * taps..].as_ptr(),
                         bias: &bias[oc],
@@ -506,6 +627,18 @@ impl Depthwise {
                     let cw = self.channel_weights();
                     let row = g.ow * g.c_out;
                     let o = unit * g.oh * row;
+                    if tiled {
+                        let first = unit * hw * g.c_in;
+                        let a = DwArgs {
+                            weights: cw.weights.as_ptr(),
+                            bias: cw.bias.as_ptr(),
+                            wstride: cw.wstride,
+                            ..args(std::ptr::null(), std::ptr::null_mut(), std::ptr::null())
+                        };
+                        let x = &input[first..first + hw * g.c_in];
+                        run_tiles(s, a, x, g.w * g.c_in, row, o, oy0, oy1);
+                        return;
+                    }
                     let a = DwArgs {
                         weights: cw.weights.as_ptr(),
                         bias: cw.bias.as_ptr(),
@@ -620,6 +753,39 @@ impl Depthwise {
             .as_ref()
             .expect("channel modes are planned only with channel weights")
     }
+}
+
+/// Floats of a 16-bit tile (input rows and output rows, converted): within L1.
+const TILE_FLOATS: usize = 6 * 1024;
+
+/// Whether 16-bit tensors run the generated 16-bit kernels (widening on every load) rather
+/// than the f32 kernels on tiles converted in L1 (each element widened once, but a pass more
+/// through L1). Measured with `convkit bench --dtype f16` (one thread, AMD EPYC Zen 4 with
+/// AVX-512, a shared and noisy machine, three interleaved rounds, GFLOP/s f32 / tiles /
+/// 16-bit kernel): mobilenetv2_dw3x3_112 31-39 / 23-33 / 35-36; dw3x3_28 21-22 / 18-21 /
+/// 20-24. The tiles serve what the 16-bit kernels do not take (f16 in, f32 out; SiLU and the
+/// other activations that run as a pass; NEON).
+const PREFER_HALF_KERNELS: bool = true;
+
+/// The f32 outputs `y` of a tile into `dst`: the residual added and the clamp applied (the
+/// kernel left both to here when there is a residual), the other activations, one rounding.
+fn finish<O: Storage>(
+    y: &mut [f32],
+    residual: Option<&[O]>,
+    dst: &mut [O],
+    min: f32,
+    max: f32,
+    activation: Activation,
+) {
+    if let Some(r) = residual {
+        for (v, r) in y.iter_mut().zip(r) {
+            *v = (*v + r.to_f32()).max(min).min(max);
+        }
+    }
+    if activation.needs_pass() {
+        activation.apply_slice(y);
+    }
+    narrow(y, dst);
 }
 
 /// The most scratch floats a worker of the blocked mode may take (4 MiB) before the choice
