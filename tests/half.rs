@@ -396,3 +396,36 @@ fn every_half_kernel_matches_reference() {
         }
     }
 }
+
+/// Wrong lengths are errors naming the tensor, never panics: weights and bias at create,
+/// input, output and residual at run, whatever the types.
+#[test]
+fn wrong_lengths_are_errors() {
+    use convkit::{ConvParams, Padding};
+    let p = ConvParams::conv2d(4, 8, [3, 3]).with_padding(Padding::Same);
+    let w = vec![f16::ZERO; 8 * 4 * 9];
+    let e = Conv2d::from_storage(p, &w[1..], None, Options::default()).err();
+    assert!(matches!(e, Some(Error::WrongLength { .. })), "{e:?}");
+    let e = Conv2d::from_storage(p, &w, Some(&w[..7]), Options::default()).err();
+    assert!(matches!(e, Some(Error::WrongLength { .. })), "{e:?}");
+    let plan = Conv2d::from_storage(p, &w, None, Options::default())
+        .unwrap()
+        .plan(1, 5, 5)
+        .unwrap();
+    let mut ws = Workspace::new();
+    let (x, mut y) = (vec![f16::ZERO; 100], vec![bf16::ZERO; 200]);
+    let mut y32 = vec![0f32; 200];
+    let wrong = |r: convkit::Result<()>, what: &str| match r {
+        Err(Error::WrongLength { what: w, .. }) => assert_eq!(w, what),
+        other => panic!("expected a wrong {what} length, got {other:?}"),
+    };
+    wrong(plan.run_storage(&x[1..], &mut y32, &mut ws), "input");
+    wrong(plan.run_storage(&x, &mut y32[1..], &mut ws), "output");
+    wrong(
+        plan.run_storage_with_residual(&x, &y32[..3], &mut vec![0f32; 200], &mut ws),
+        "residual",
+    );
+    wrong(plan.run_storage(&x, &mut y[..10], &mut ws), "output");
+    plan.run_storage(&x, &mut y, &mut ws).unwrap();
+    plan.run_storage(&x, &mut y32, &mut ws).unwrap();
+}
