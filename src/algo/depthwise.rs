@@ -139,7 +139,8 @@ pub(crate) struct DwPlan {
     /// block).
     scratch_per_worker: usize,
     /// 16-bit tensors through f32 kernels, scratch floats a worker needs besides: blocked,
-    /// the f32 planes of one block's input and output; planes and channels, a tile of
+    /// the f32 planes of one block's input where the output pixels cannot hold them (the f32
+    /// output planes reuse the input pixels' space); planes and channels, a tile of
     /// `tile_rows` output rows and the input rows they read (`tile_in` floats, a whole
     /// number of cache lines).
     half_extra: usize,
@@ -341,7 +342,9 @@ impl Depthwise {
                 _ => 0,
             },
             half_extra: match mode {
-                Mode::Blocked => BLOCK * (g.h * g.w + g.oh * g.ow),
+                // Widened input planes that the output pixels' space cannot hold.
+                Mode::Blocked if g.oh * owp >= g.h * g.w => 0,
+                Mode::Blocked => BLOCK * g.h * g.w,
                 _ => tile_in + tile_rows * per_out_row,
             },
             tile_rows,
@@ -665,12 +668,18 @@ impl Depthwise {
                     let (pix_out, extra) = rest.split_at_mut(BLOCK * g.oh * owp);
                     let first = (n * g.c_out + c0) * hw;
                     let src = &input[first..first + cb * hw];
-                    let (planes_in, planes_out) = extra.split_at_mut(extra.len().min(BLOCK * hw));
                     let src: &[f32] = if I::TYPE == StorageType::F32 {
                         bytemuck::cast_slice(src)
                     } else {
-                        widen(src, &mut planes_in[..cb * hw]);
-                        &planes_in[..cb * hw]
+                        // The widened planes go where the output pixels will (unused until
+                        // the kernel runs), or past them where those are fewer.
+                        let planes = if pix_out.len() >= cb * hw {
+                            &mut pix_out[..cb * hw]
+                        } else {
+                            &mut extra[..cb * hw]
+                        };
+                        widen(src, planes);
+                        planes
                     };
                     to_pixels(self.transpose, src, g, wp, cb, &mut pix_in[..cb * hp * wp]);
                     let o = (n * g.c_out + c0) * ohw;
@@ -716,8 +725,9 @@ impl Depthwise {
                         );
                         o..o + cb * ohw
                     } else {
-                        // Residual, clamp and activation in f32, then one rounding.
-                        let y = &mut planes_out[..cb * ohw];
+                        // Residual, clamp and activation in f32, then one rounding; the f32
+                        // planes go where the input pixels were (no longer needed).
+                        let y = &mut pix_in[..cb * ohw];
                         let pix = &pix_out[..cb * g.oh * owp];
                         to_planes(self.transpose, pix, g, owp, cb, y, None, min, max);
                         if let Some(r) = res {
