@@ -7,7 +7,9 @@ use crate::algo::im2col_gemm::Im2colGemm;
 use crate::algo::winograd::{self, Winograd};
 use crate::algo::Algorithm;
 use crate::cpu::{Family, Isa};
+use crate::params::Geometry;
 use crate::plan::{AlgoPlan, Plan};
+use crate::storage::{to_f32_vec, Bands, Storage};
 use crate::{ConvParams, Error, Precision, Result};
 use std::sync::Arc;
 
@@ -130,10 +132,15 @@ impl Conv2d {
             }
             (None, a) => a.unwrap_or_else(|| choose(&params, isa, options.precision)),
         };
+        // A forced 16-bit depthwise kernel forces its f32 twin (same ISA, layout and shape):
+        // 16-bit runs take the twin's 16-bit kernel, which is the forced one.
         let dw_kernel = match forced {
-            Some(k) if k.family == Family::Depthwise => {
-                crate::cpu::dw_f32().iter().find(|d| d.name == k.name)
-            }
+            Some(k) if k.family == Family::Depthwise => crate::cpu::dw_f32().iter().find(|d| {
+                d.name == k.name
+                    || (k.storage != crate::StorageType::F32
+                        && (d.isa, Some(d.layout), d.fixed, d.ymm)
+                            == (k.isa, k.layout, k.fixed, false))
+            }),
             _ => None,
         };
         let direct_kernel = match forced {
@@ -181,6 +188,7 @@ impl Conv2d {
                     isa,
                     algorithm == Algorithm::DepthwiseGeneric,
                     dw_kernel,
+                    forced.is_some_and(|k| k.storage != crate::StorageType::F32),
                 )?)
             }
         };
@@ -195,6 +203,21 @@ impl Conv2d {
                 packed,
             }),
         })
+    }
+
+    /// As [`new`](Self::new), with weights and bias stored as `T` (`f32`, [`half::f16`] or
+    /// [`half::bf16`]): they are widened to f32 once, here, and packed as f32 weights are.
+    /// Plans run on 16-bit tensors with [`Plan::run_storage`].
+    pub fn from_storage<T: Storage>(
+        params: ConvParams,
+        weights: &[T],
+        bias: Option<&[T]>,
+        options: Options,
+    ) -> Result<Self> {
+        params.validate()?;
+        params.check_weights_and_bias(weights.len(), bias.map(|b| b.len()))?;
+        let bias = bias.map(to_f32_vec);
+        Self::new(params, &to_f32_vec(weights), bias.as_deref(), options)
     }
 
     /// The parameters the convolution was created with.
@@ -219,13 +242,23 @@ impl Conv2d {
             0 => crate::algo::current_num_threads(),
             t => t,
         };
-        let algo = match &self.inner.packed {
-            Packed::Im2colGemm(a) => AlgoPlan::Im2colGemm(a.plan(&geometry, threads)),
-            Packed::Depthwise(a) => AlgoPlan::Depthwise(a.plan(&geometry, threads)),
-            Packed::Direct(a) => AlgoPlan::Direct(a.plan(&geometry, threads)),
-            Packed::Winograd(a) => AlgoPlan::Winograd(a.plan(&geometry, threads)),
+        let plan_algo = |g: &Geometry| match &self.inner.packed {
+            Packed::Im2colGemm(a) => AlgoPlan::Im2colGemm(a.plan(g, threads)),
+            Packed::Depthwise(a) => AlgoPlan::Depthwise(a.plan(g, threads)),
+            Packed::Direct(a) => AlgoPlan::Direct(a.plan(g, threads)),
+            Packed::Winograd(a) => AlgoPlan::Winograd(a.plan(g, threads)),
         };
-        Ok(Plan::new(self.inner.clone(), geometry, algo))
+        let bands = Bands::new(&geometry, |g| {
+            let p = plan_algo(g);
+            let floats = p.workspace_floats();
+            (p, floats)
+        });
+        Ok(Plan::new(
+            self.inner.clone(),
+            geometry,
+            plan_algo(&geometry),
+            bands,
+        ))
     }
 }
 
@@ -374,6 +407,20 @@ impl Conv1d {
         check_1d(&params)?;
         Ok(Conv1d {
             conv: Conv2d::new(params, weights, bias, options)?,
+        })
+    }
+
+    /// As [`new`](Self::new), with weights and bias stored as `T` (`f32`, [`half::f16`] or
+    /// [`half::bf16`]), widened to f32 once, here.
+    pub fn from_storage<T: Storage>(
+        params: ConvParams,
+        weights: &[T],
+        bias: Option<&[T]>,
+        options: Options,
+    ) -> Result<Self> {
+        check_1d(&params)?;
+        Ok(Conv1d {
+            conv: Conv2d::from_storage(params, weights, bias, options)?,
         })
     }
 

@@ -47,6 +47,7 @@ mod plan;
 #[cfg(feature = "int8")]
 mod quant;
 pub mod reference;
+mod storage;
 pub mod suite;
 
 pub use algo::winograd::Precision;
@@ -63,10 +64,13 @@ pub use conv::{Conv1d, Conv2d, Options};
 pub use cpu::Isa;
 pub use epilogue::Activation;
 pub use error::{Error, Result};
+/// The 16-bit float types of [`Storage`]: re-exported from the `half` crate.
+pub use half::{bf16, f16};
 pub use params::{ConvParams, Geometry, Layout, Padding};
 pub use plan::Plan;
 #[cfg(feature = "int8")]
 pub use quant::{QConv1d, QConv2d, QElement, QPlan, QuantOutput, QuantParams, QuantType};
+pub use storage::{Storage, StorageType};
 
 /// The README's examples, compiled and run as doctests so that they stay true.
 #[doc = include_str!("../README.md")]

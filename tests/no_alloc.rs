@@ -187,6 +187,91 @@ fn quantized_run_does_not_allocate() {
     }
 }
 
+/// 16-bit runs (f16 and bf16 in; the same type or f32 out) allocate nothing either, on every
+/// path: the 16-bit depthwise kernels, the f32 depthwise kernels on converted tiles and
+/// blocks, and the bands of rows around GEMM, Winograd and the direct kernels; the workspace
+/// they take stays bounded whatever the image size.
+#[test]
+fn storage_run_does_not_allocate() {
+    use convkit::{bf16, f16, Storage};
+    fn runs<I: Storage, O: Storage>(plan: &convkit::Plan, ws: &mut Workspace) -> usize {
+        let input = vec![I::from_f32(1.0); plan.input_len()];
+        let residual = vec![O::from_f32(0.5); plan.output_len()];
+        let mut output = vec![O::from_f32(0.0); plan.output_len()];
+        ws.reserve(plan.storage_workspace_bytes::<I, O>()).unwrap();
+        let n = count(|| {
+            plan.run_storage(&input, &mut output, ws).unwrap();
+            plan.run_storage_with_residual(&input, &residual, &mut output, ws)
+                .unwrap();
+        });
+        assert!(output.iter().all(|v| v.to_f32().is_finite()));
+        n
+    }
+    let dw = |k: usize, layout| {
+        ConvParams::conv2d(24, 24, [k, k])
+            .with_groups(24)
+            .with_padding(Padding::Same)
+            .with_layout(layout)
+    };
+    let layers = [
+        (dw(3, Layout::Nchw), "depthwise/"),
+        (dw(3, Layout::Nhwc), "depthwise/"),
+        (
+            dw(7, Layout::Nchw).with_activation(Activation::Silu),
+            "depthwise/",
+        ),
+        (
+            ConvParams::conv2d(24, 32, [3, 3])
+                .with_padding(Padding::Same)
+                .with_activation(Activation::Silu),
+            "winograd/",
+        ),
+        (
+            ConvParams::conv2d(32, 64, [1, 1]).with_layout(Layout::Nhwc),
+            "im2col_gemm/",
+        ),
+        (
+            ConvParams::conv2d(3, 16, [7, 7])
+                .with_stride([2, 2])
+                .with_padding(Padding::uniform(3)),
+            "direct/",
+        ),
+    ];
+    let mut ws = Workspace::new();
+    for (params, path) in layers {
+        let weights = vec![f16::from_f32(0.1); params.weights_len().unwrap()];
+        let bias = vec![f16::from_f32(0.2); params.out_channels];
+        let conv =
+            Conv2d::from_storage(params, &weights, Some(&bias), Options::threads(1)).unwrap();
+        // A large image: several bands of rows; the workspace stays a few MiB.
+        let plan = conv.plan(1, 96, 80).unwrap();
+        assert!(
+            plan.kernel_name().starts_with(path),
+            "{}",
+            plan.kernel_name()
+        );
+        for (what, n) in [
+            ("f16 -> f16", runs::<f16, f16>(&plan, &mut ws)),
+            ("bf16 -> bf16", runs::<bf16, bf16>(&plan, &mut ws)),
+            ("f16 -> f32", runs::<f16, f32>(&plan, &mut ws)),
+            ("bf16 -> f32", runs::<bf16, f32>(&plan, &mut ws)),
+        ] {
+            assert_eq!(
+                n,
+                0,
+                "{what} {} allocated {n} times",
+                plan.storage_kernel_name::<f16, f16>()
+            );
+        }
+        let bytes = plan.storage_workspace_bytes::<f16, f32>();
+        assert!(
+            bytes <= 8 << 20,
+            "{}: {bytes} bytes of workspace",
+            plan.kernel_name()
+        );
+    }
+}
+
 #[test]
 fn the_counter_sees_an_allocation() {
     let n = count(|| {

@@ -12,8 +12,8 @@
 //! `(kernel, stride)` gets a fully unrolled kernel; the generic kernel takes any kernel,
 //! stride and dilation at run time and is still vectorised.
 
-use crate::simd::{helpers, simd, simd_ymm, Simd};
-use crate::{lit, registry_entry_with, DirectSpec, DwLayout, DwSpec, Isa};
+use crate::simd::{helpers, simd, simd_half, simd_ymm, Simd};
+use crate::{lit, registry_entry_with, DirectSpec, Dt, DwLayout, DwSpec, Isa};
 use proc_macro2::{Ident, TokenStream};
 use quote::{format_ident, quote};
 
@@ -42,7 +42,55 @@ fn pixels(isa: Isa) -> usize {
 /// The module a kernel's ISA variant lives in (each has its own helpers).
 fn module(spec: &DwSpec) -> Ident {
     let ymm = if spec.ymm { "_ymm" } else { "" };
-    format_ident!("{}{ymm}", spec.isa.suffix())
+    let dt = match spec.dtype {
+        Dt::F32 => String::new(),
+        dt => format!("_{}", dt.suffix()),
+    };
+    format_ident!("{}{ymm}{dt}", spec.isa.suffix())
+}
+
+/// The first statement of a 16-bit kernel: `a` seen through [`args16`], whose tensor pointers
+/// are the 16-bit elements'.
+fn prelude(v: &Simd) -> TokenStream {
+    if v.dt == Dt::F32 {
+        quote!()
+    } else {
+        quote!(let a = &Args16::new(a);)
+    }
+}
+
+/// The view of `DwArgs` a 16-bit kernel works through: the same fields, with `input`,
+/// `output` and `residual` pointing at 16-bit elements (the caller passes them cast).
+fn args16() -> TokenStream {
+    quote! {
+        /// `DwArgs` with the tensor pointers cast to the 16-bit elements they point at.
+        struct Args16<'a> {
+            input: *const u16,
+            output: *mut u16,
+            residual: *const u16,
+            args: &'a DwArgs,
+        }
+
+        impl<'a> Args16<'a> {
+            #[inline(always)]
+            fn new(args: &'a DwArgs) -> Self {
+                Args16 {
+                    input: args.input as *const u16,
+                    output: args.output as *mut u16,
+                    residual: args.residual as *const u16,
+                    args,
+                }
+            }
+        }
+
+        impl core::ops::Deref for Args16<'_> {
+            type Target = DwArgs;
+            #[inline(always)]
+            fn deref(&self) -> &DwArgs {
+                self.args
+            }
+        }
+    }
 }
 
 /// All depthwise kernels of the table and the direct kernels, one module per ISA variant
@@ -50,27 +98,37 @@ fn module(spec: &DwSpec) -> Ident {
 pub fn emit_all(specs: &[DwSpec], direct: &[DirectSpec]) -> TokenStream {
     let mut modules = TokenStream::new();
     for isa in Isa::ALL {
-        for ymm in [false, true] {
+        for (ymm, dt) in [
+            (false, Dt::F32),
+            (true, Dt::F32),
+            (false, Dt::F16),
+            (false, Dt::Bf16),
+        ] {
             let mine: Vec<&DwSpec> = specs
                 .iter()
-                .filter(|s| s.isa == isa && s.ymm == ymm)
+                .filter(|s| s.isa == isa && s.ymm == ymm && s.dtype == dt)
                 .collect();
             let Some(first) = mine.first() else {
                 continue;
             };
-            let v = if ymm { simd_ymm() } else { simd(isa) };
+            let v = match (ymm, dt) {
+                (true, _) => simd_ymm(),
+                (false, Dt::F32) => simd(isa),
+                (false, dt) => simd_half(isa, dt),
+            };
             let module = module(first);
             let cfg = isa.cfg();
             let uses = v.uses();
             let helpers = helpers(&v);
             let strided = strided_helpers(&v);
+            let args16 = (dt != Dt::F32).then(args16);
             let kernels = mine.iter().map(|s| match s.layout {
                 DwLayout::Nchw => emit_nchw(&v, s),
                 DwLayout::Nhwc => emit_nhwc(&v, s),
             });
             let directs: Vec<TokenStream> = direct
                 .iter()
-                .filter(|d| d.isa == isa && !ymm)
+                .filter(|d| d.isa == isa && !ymm && dt == Dt::F32)
                 .map(|d| crate::direct::emit(&v, d))
                 .collect();
             let direct_use = if directs.is_empty() {
@@ -87,6 +145,7 @@ pub fn emit_all(specs: &[DwSpec], direct: &[DirectSpec]) -> TokenStream {
                     use crate::algo::depthwise::DwArgs;
                     #direct_use
                     #uses
+                    #args16
                     #helpers
                     #strided
                     #(#kernels)*
@@ -95,7 +154,34 @@ pub fn emit_all(specs: &[DwSpec], direct: &[DirectSpec]) -> TokenStream {
             });
         }
     }
-    let entries = specs.iter().map(|s| {
+    let entries = |dt: Dt| {
+        specs
+            .iter()
+            .filter(move |s| (s.dtype == Dt::F32) == (dt == Dt::F32))
+            .map(registry_entry)
+    };
+    let (f32_entries, half_entries) = (entries(Dt::F32), entries(Dt::F16));
+    let direct_entries = direct.iter().map(crate::direct::registry_entry);
+    quote! {
+        use crate::algo::depthwise::DwKernel;
+        use crate::algo::direct::DirectKernel;
+
+        #modules
+
+        /// Every f32 depthwise kernel compiled for this target, from the generator's table.
+        pub static DW_F32_KERNELS: &[DwKernel] = &[#(#f32_entries)*];
+
+        /// Every 16-bit (f16, bf16) depthwise kernel compiled for this target.
+        pub static DW_HALF_KERNELS: &[DwKernel] = &[#(#half_entries)*];
+
+        /// Every f32 direct kernel compiled for this target, from the generator's table.
+        pub static DIRECT_F32_KERNELS: &[DirectKernel] = &[#(#direct_entries)*];
+    }
+}
+
+/// The registry entry of a depthwise kernel.
+fn registry_entry(s: &DwSpec) -> TokenStream {
+    {
         let layout = match s.layout {
             DwLayout::Nchw => quote!(crate::Layout::Nchw),
             DwLayout::Nhwc => quote!(crate::Layout::Nhwc),
@@ -114,26 +200,14 @@ pub fn emit_all(specs: &[DwSpec], direct: &[DirectSpec]) -> TokenStream {
             DwLayout::Nhwc => pixels(s.isa),
         });
         let ymm = s.ymm;
+        let dt = s.dtype.variant();
         registry_entry_with(
             "DwKernel",
             &s.name(),
             s.isa,
             quote!(#module::#path),
-            quote!(layout: #layout, fixed: #fixed, lanes: #module::LANES as usize, block: #block, ymm: #ymm,),
+            quote!(layout: #layout, fixed: #fixed, lanes: #module::LANES as usize, block: #block, ymm: #ymm, storage: crate::StorageType::#dt,),
         )
-    });
-    let direct_entries = direct.iter().map(crate::direct::registry_entry);
-    quote! {
-        use crate::algo::depthwise::DwKernel;
-        use crate::algo::direct::DirectKernel;
-
-        #modules
-
-        /// Every f32 depthwise kernel compiled for this target, from the generator's table.
-        pub static DW_F32_KERNELS: &[DwKernel] = &[#(#entries)*];
-
-        /// Every f32 direct kernel compiled for this target, from the generator's table.
-        pub static DIRECT_F32_KERNELS: &[DirectKernel] = &[#(#direct_entries)*];
     }
 }
 
@@ -141,6 +215,7 @@ pub fn emit_all(specs: &[DwSpec], direct: &[DirectSpec]) -> TokenStream {
 fn strided_helpers(v: &Simd) -> TokenStream {
     let attrs = v.attrs();
     let (ty, load) = (&v.ty, &v.load);
+    let (elem, ez) = (&v.elem, &v.elem_zero);
     let lanes = lit(v.lanes);
     quote! {
         /// The floats `p[0], p[s], …, p[(lanes-1)s]`.
@@ -149,13 +224,13 @@ fn strided_helpers(v: &Simd) -> TokenStream {
         /// Those floats (and, for `s == 2`, the whole `2 x lanes` run from `p`) must be readable.
         #[inline]
         #attrs
-        unsafe fn load_strided(p: *const f32, s: isize) -> #ty {
+        unsafe fn load_strided(p: *const #elem, s: isize) -> #ty {
             if s == 1 {
                 #load(p)
             } else if s == 2 && LANES > 1 {
                 evens(#load(p), #load(p.add(#lanes)))
             } else {
-                let mut t = [0.0f32; #lanes];
+                let mut t = [#ez; #lanes];
                 for (i, t) in t.iter_mut().enumerate() {
                     *t = *p.offset(i as isize * s);
                 }
@@ -170,7 +245,7 @@ fn strided_helpers(v: &Simd) -> TokenStream {
         /// `p.wrapping_offset(i)` must be readable for every `i` in `lo..hi`.
         #[inline]
         #attrs
-        unsafe fn load_strided_part(p: *const f32, s: isize, lo: isize, hi: isize) -> #ty {
+        unsafe fn load_strided_part(p: *const #elem, s: isize, lo: isize, hi: isize) -> #ty {
             if s == 1 {
                 load_part(p, lo, hi)
             } else if s == 2 && LANES > 1 {
@@ -179,7 +254,7 @@ fn strided_helpers(v: &Simd) -> TokenStream {
                     load_part(p.wrapping_add(#lanes), lo - LANES, hi - LANES),
                 )
             } else {
-                let mut t = [0.0f32; #lanes];
+                let mut t = [#ez; #lanes];
                 for (i, t) in t.iter_mut().enumerate() {
                     let i = i as isize * s;
                     if lo <= i && i < hi {
@@ -306,9 +381,15 @@ fn doc(spec: &DwSpec) -> String {
         }
     };
     format!(
-        " Depthwise f32, {what}, {} ({how}).\n\n # Safety\n The CPU must have the ISA, and \
-         the pointers of `a` must cover the tensors its sizes describe.",
-        spec.isa.suffix()
+        " Depthwise {}, {what}, {} ({how}).\n\n # Safety\n The CPU must have the ISA, and \
+         the pointers of `a` must cover the tensors its sizes describe{}.",
+        spec.dtype.suffix(),
+        spec.isa.suffix(),
+        if spec.dtype == Dt::F32 {
+            ""
+        } else {
+            " (`input`, `output` and `residual` point at 16-bit elements, cast)"
+        }
     )
 }
 
@@ -320,7 +401,9 @@ fn emit_nchw(v: &Simd, spec: &DwSpec) -> TokenStream {
     let (zero, splat, fma) = (&v.zero, &v.splat, v.fma);
     let l = v.lanes;
     let ll = lit(l);
+    let prelude = prelude(v);
     let head = quote! {
+        #prelude
         let (in_w, ow) = (a.in_w as isize, a.ow as isize);
         let (pt, pl) = (a.pad_top as isize, a.pad_left as isize);
         let bias = #splat(*a.bias);
@@ -539,6 +622,8 @@ fn emit_nhwc(v: &Simd, spec: &DwSpec) -> TokenStream {
     let doc = doc(spec);
     let attrs = v.attrs();
     let (zero, splat, load, fma) = (&v.zero, &v.splat, &v.load, v.fma);
+    let wload = &v.wload;
+    let prelude = prelude(v);
     let x = pixels(spec.isa);
     let xl = lit(x);
     let ll = lit(v.lanes);
@@ -615,7 +700,7 @@ fn emit_nhwc(v: &Simd, spec: &DwSpec) -> TokenStream {
             }
         });
         quote! {
-            let b = #load(a.bias.add(c));
+            let b = #wload(a.bias.add(c));
             #(#decls)*
             for ky in 0..#kh {
                 let iy = iy0 + (ky * #dh) as isize;
@@ -624,7 +709,7 @@ fn emit_nhwc(v: &Simd, spec: &DwSpec) -> TokenStream {
                 }
                 let row = a.input.add(iy as usize * a.in_w * chans + c);
                 for kx in 0..#kw {
-                    let w = #load(a.weights.add((ky * #kw + kx) * a.wstride + c));
+                    let w = #wload(a.weights.add((ky * #kw + kx) * a.wstride + c));
                     #(#fmas)*
                 }
             }
@@ -640,7 +725,7 @@ fn emit_nhwc(v: &Simd, spec: &DwSpec) -> TokenStream {
             let decls = accs.iter().map(|c| quote!(let mut #c = #zero;));
             let ws = (0..k).map(|kx| {
                 let (w, kxl) = (format_ident!("w{}", kx), lit(kx));
-                quote!(let #w = #load(wrow.add(#kxl * a.wstride));)
+                quote!(let #w = #wload(wrow.add(#kxl * a.wstride));)
             });
             let cols = (0..(x - 1) * s + k).map(|j| {
                 let uses = (0..x).filter(|&p| j >= p * s && j - p * s < k).map(|p| {
@@ -668,7 +753,7 @@ fn emit_nhwc(v: &Simd, spec: &DwSpec) -> TokenStream {
             });
             let kl = lit(k);
             quote! {
-                let b = #load(a.bias.add(c));
+                let b = #wload(a.bias.add(c));
                 #(#decls)*
                 for ky in 0..#kl {
                     let iy = iy0 + ky as isize;
@@ -715,6 +800,7 @@ fn emit_nhwc(v: &Simd, spec: &DwSpec) -> TokenStream {
         #[doc = #doc]
         #attrs
         pub unsafe fn #name(a: &DwArgs) {
+            #prelude
             let (in_h, in_w, ow) = (a.in_h as isize, a.in_w as isize, a.ow as isize);
             let (pt, pl) = (a.pad_top as isize, a.pad_left as isize);
             let (lo, hi) = (#splat(a.min), #splat(a.max));

@@ -124,7 +124,38 @@ impl DwLayout {
     }
 }
 
-/// One f32 depthwise kernel: a fixed square `(kernel, stride)` with dilation 1, unrolled, or
+/// The type a kernel's tensors are stored in (arithmetic is f32 in every one).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Dt {
+    F32,
+    /// IEEE half precision, widened and rounded in registers (F16C, AVX-512F, scalar).
+    F16,
+    /// bfloat16: widening is a 16-bit shift, rounding to nearest even is integer arithmetic.
+    Bf16,
+}
+
+impl Dt {
+    pub fn suffix(self) -> &'static str {
+        match self {
+            Dt::F32 => "f32",
+            Dt::F16 => "f16",
+            Dt::Bf16 => "bf16",
+        }
+    }
+
+    fn variant(self) -> Ident {
+        Ident::new(
+            match self {
+                Dt::F32 => "F32",
+                Dt::F16 => "F16",
+                Dt::Bf16 => "Bf16",
+            },
+            Span::call_site(),
+        )
+    }
+}
+
+/// One depthwise kernel: a fixed square `(kernel, stride)` with dilation 1, unrolled, or
 /// (`shape: None`) the generic kernel that takes any kernel, stride and dilation.
 #[derive(Clone, Copy, Debug)]
 pub struct DwSpec {
@@ -134,6 +165,8 @@ pub struct DwSpec {
     /// AVX-512 NCHW only: 8-lane (ymm) vectors with AVX-512's 32 registers and masks, for
     /// images at most 8 wide, where 16 lanes would be half empty.
     pub ymm: bool,
+    /// The type of the input, output and residual (weights and bias are f32).
+    pub dtype: Dt,
 }
 
 impl DwSpec {
@@ -144,7 +177,8 @@ impl DwSpec {
         };
         let ymm = if self.ymm { "_ymm" } else { "" };
         format!(
-            "dw_f32_{shape}_{}{ymm}_{}",
+            "dw_{}_{shape}_{}{ymm}_{}",
+            self.dtype.suffix(),
             self.layout.suffix(),
             self.isa.suffix()
         )
@@ -174,6 +208,38 @@ pub fn dw_f32() -> Vec<DwSpec> {
                         layout,
                         shape,
                         ymm,
+                        dtype: Dt::F32,
+                    });
+                }
+            }
+        }
+    }
+    specs
+}
+
+/// The 16-bit depthwise kernels (f16 and bf16 tensors, f32 arithmetic), for the memory-bound
+/// layers where half the bytes pay: at AVX2 and AVX-512, the NHWC kernel of every shape of
+/// [`DW_SHAPES`], the NCHW plane kernels of the 3x3 shapes (NCHW 5x5 and 7x7 run the blocked
+/// mode, whose transposes convert), and the generic kernels; at the scalar level (the
+/// fallback everywhere), the generic kernels only. Other shapes and ISAs convert bands of rows
+/// around the f32 kernels.
+pub fn dw_half() -> Vec<DwSpec> {
+    let mut specs = Vec::new();
+    for dtype in [Dt::F16, Dt::Bf16] {
+        for isa in [Isa::Scalar, Isa::Avx2, Isa::Avx512] {
+            for layout in [DwLayout::Nchw, DwLayout::Nhwc] {
+                let fixed: &[(usize, usize)] = match (isa, layout) {
+                    (Isa::Scalar, _) => &[],
+                    (_, DwLayout::Nchw) => &[(3, 1), (3, 2)],
+                    (_, DwLayout::Nhwc) => DW_SHAPES,
+                };
+                for shape in fixed.iter().map(|&s| Some(s)).chain([None]) {
+                    specs.push(DwSpec {
+                        isa,
+                        layout,
+                        shape,
+                        ymm: false,
+                        dtype,
                     });
                 }
             }
@@ -299,7 +365,11 @@ pub fn generate_selected(sel: &Selection) -> Vec<Generated> {
         .copied()
         .filter(|s| sel.has(s.isa))
         .collect();
-    let dw: Vec<DwSpec> = dw_f32().into_iter().filter(|s| sel.has(s.isa)).collect();
+    let dw: Vec<DwSpec> = [dw_f32(), dw_half()]
+        .concat()
+        .into_iter()
+        .filter(|s| sel.has(s.isa))
+        .collect();
     let direct: Vec<DirectSpec> = direct_f32()
         .into_iter()
         .filter(|s| sel.has(s.isa))

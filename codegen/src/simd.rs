@@ -1,7 +1,7 @@
 //! How each ISA spells the vector operations the emitters need. The scalar ISA is a vector of
 //! one lane (`f32` itself), so an emitter written against [`Simd`] yields its scalar kernel too.
 
-use crate::Isa;
+use crate::{Dt, Isa};
 use proc_macro2::TokenStream;
 use quote::quote;
 
@@ -25,6 +25,15 @@ pub struct Simd {
     pub max: TokenStream,
     /// `fma(acc, a, b)` = acc + a*b, whatever the argument order of the intrinsic.
     pub fma: fn(TokenStream, TokenStream, TokenStream) -> TokenStream,
+    /// The type tensors (input, output, residual) are stored in: `load`, `store` and the
+    /// helpers' partial loads and stores read and write it (f32, or the 16-bit types'
+    /// bits, widened in registers on load and rounded on store).
+    pub dt: Dt,
+    /// The element type of those tensors (`f32` or `u16`) and its zero.
+    pub elem: TokenStream,
+    pub elem_zero: TokenStream,
+    /// The load of an f32 vector (packed weights and bias), whatever `dt` is.
+    pub wload: TokenStream,
 }
 
 impl Simd {
@@ -49,6 +58,30 @@ impl Simd {
 }
 
 pub fn simd(isa: Isa) -> Simd {
+    let mut v = simd_f32(isa);
+    v.wload = v.load.clone();
+    v
+}
+
+/// The ISA's vectors over tensors stored as `dt` (f16 or bf16): `load` and `store` widen and
+/// round in registers (`xload`, `xstore`, emitted by [`helpers`]); weights stay f32.
+pub fn simd_half(isa: Isa, dt: Dt) -> Simd {
+    let mut v = simd(isa);
+    match isa {
+        Isa::Avx2 => v.feature = Some("avx2,fma,f16c"),
+        // 16-bit masked loads and stores.
+        Isa::Avx512 => v.feature = Some("avx512f,avx512bw,avx512vl"),
+        _ => {}
+    }
+    v.dt = dt;
+    v.elem = quote!(u16);
+    v.elem_zero = quote!(0u16);
+    v.load = quote!(xload);
+    v.store = quote!(xstore);
+    v
+}
+
+fn simd_f32(isa: Isa) -> Simd {
     match isa {
         Isa::Scalar => Simd {
             isa,
@@ -67,6 +100,10 @@ pub fn simd(isa: Isa) -> Simd {
             max: quote!(f32::max),
             // Not `mul_add`: without FMA hardware that is a libm call.
             fma: |acc, a, b| quote!(#acc + #a * #b),
+            dt: Dt::F32,
+            elem: quote!(f32),
+            elem_zero: quote!(0.0f32),
+            wload: quote!(),
         },
         Isa::Avx2 => Simd {
             isa,
@@ -84,6 +121,10 @@ pub fn simd(isa: Isa) -> Simd {
             min: quote!(_mm256_min_ps),
             max: quote!(_mm256_max_ps),
             fma: |acc, a, b| quote!(_mm256_fmadd_ps(#a, #b, #acc)),
+            dt: Dt::F32,
+            elem: quote!(f32),
+            elem_zero: quote!(0.0f32),
+            wload: quote!(),
         },
         Isa::Avx512 => Simd {
             isa,
@@ -101,6 +142,10 @@ pub fn simd(isa: Isa) -> Simd {
             min: quote!(_mm512_min_ps),
             max: quote!(_mm512_max_ps),
             fma: |acc, a, b| quote!(_mm512_fmadd_ps(#a, #b, #acc)),
+            dt: Dt::F32,
+            elem: quote!(f32),
+            elem_zero: quote!(0.0f32),
+            wload: quote!(),
         },
         Isa::Neon => Simd {
             isa,
@@ -118,6 +163,10 @@ pub fn simd(isa: Isa) -> Simd {
             min: quote!(vminq_f32),
             max: quote!(vmaxq_f32),
             fma: |acc, a, b| quote!(vfmaq_f32(#acc, #a, #b)),
+            dt: Dt::F32,
+            elem: quote!(f32),
+            elem_zero: quote!(0.0f32),
+            wload: quote!(),
         },
     }
 }
@@ -272,7 +321,15 @@ pub fn helpers(v: &Simd) -> TokenStream {
         ))),
         (Isa::Neon, _) => quote!(vuzp2q_f32(a, b)),
     };
+    let (mask_ty, part_mask, load_masked, store_part, convert) = if v.dt == Dt::F32 {
+        (mask_ty, part_mask, load_masked, store_part, quote!())
+    } else {
+        half_helpers(v, mask_ty, part_mask)
+    };
+    let elem = &v.elem;
     quote! {
+        #convert
+
         /// The odd lanes of the `2 x lanes` floats `a ++ b`.
         #[allow(dead_code)]
         #[inline]
@@ -288,7 +345,7 @@ pub fn helpers(v: &Simd) -> TokenStream {
         /// `p.wrapping_offset(i)` must be readable for every lane `i` in `lo..hi`.
         #[inline]
         #attrs
-        unsafe fn load_part(p: *const f32, lo: isize, hi: isize) -> #ty {
+        unsafe fn load_part(p: *const #elem, lo: isize, hi: isize) -> #ty {
             load_masked(p, part_mask(lo, hi))
         }
 
@@ -309,7 +366,7 @@ pub fn helpers(v: &Simd) -> TokenStream {
         /// `p.wrapping_offset(i)` must be readable for every lane `i` that `m` selects.
         #[inline]
         #attrs
-        unsafe fn load_masked(p: *const f32, m: Mask) -> #ty {
+        unsafe fn load_masked(p: *const #elem, m: Mask) -> #ty {
             #load_masked
         }
 
@@ -319,7 +376,7 @@ pub fn helpers(v: &Simd) -> TokenStream {
         /// `p` must be writable for `min(n, lanes)` floats.
         #[inline]
         #attrs
-        unsafe fn store_part(p: *mut f32, x: #ty, n: usize) {
+        unsafe fn store_part(p: *mut #elem, x: #ty, n: usize) {
             #store_part
         }
 
@@ -332,5 +389,192 @@ pub fn helpers(v: &Simd) -> TokenStream {
 
         /// Lanes of this ISA's vector.
         pub const LANES: isize = #lanes;
+    }
+}
+
+/// A 16-bit type's `xload` and `xstore` (a whole vector widened from, or rounded to nearest
+/// even into, 16-bit elements), and its masks, masked load and partial store (replacing the
+/// f32 ones): AVX-512 masks 16-bit lanes itself (BW + VL); AVX2 goes through a small array at
+/// the edges; scalar converts one element.
+fn half_helpers(
+    v: &Simd,
+    mask_ty: TokenStream,
+    part_mask: TokenStream,
+) -> (
+    TokenStream,
+    TokenStream,
+    TokenStream,
+    TokenStream,
+    TokenStream,
+) {
+    let attrs = v.attrs();
+    let ty = &v.ty;
+    let f16 = v.dt == Dt::F16;
+    match (v.isa, v.lanes) {
+        (Isa::Scalar, _) => {
+            let (load, store) = if f16 {
+                (
+                    quote!(half::f16::from_bits(*p).to_f32()),
+                    quote!(*p = half::f16::from_f32(x).to_bits();),
+                )
+            } else {
+                (
+                    quote!(f32::from_bits((*p as u32) << 16)),
+                    quote!(*p = crate::storage::bf16_bits(x);),
+                )
+            };
+            (
+                mask_ty,
+                part_mask,
+                quote!(if m { xload(p) } else { 0.0 }),
+                quote!(if n > 0 {
+                    xstore(p, x);
+                }),
+                quote! {
+                    /// The element at `p`, widened.
+                    #[inline]
+                    #attrs
+                    unsafe fn xload(p: *const u16) -> #ty {
+                        #load
+                    }
+                    /// `x` rounded into the element at `p`.
+                    #[inline]
+                    #attrs
+                    unsafe fn xstore(p: *mut u16, x: #ty) {
+                        #store
+                    }
+                },
+            )
+        }
+        (Isa::Avx2, 8) => {
+            let (load, bits) = if f16 {
+                (
+                    quote!(_mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))),
+                    quote!(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x)),
+                )
+            } else {
+                (
+                    quote!(_mm256_castsi256_ps(_mm256_slli_epi32::<16>(
+                        _mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i))
+                    ))),
+                    quote! {
+                        // Round to nearest even: add 0x7fff and the lowest kept bit; NaN
+                        // keeps its sign and becomes quiet.
+                        let b = _mm256_castps_si256(x);
+                        let odd = _mm256_and_si256(_mm256_srli_epi32::<16>(b), _mm256_set1_epi32(1));
+                        let r = _mm256_add_epi32(b, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff)));
+                        let q = _mm256_or_si256(b, _mm256_set1_epi32(0x40_0000));
+                        let nan = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(x, x));
+                        let r = _mm256_srli_epi32::<16>(_mm256_blendv_epi8(r, q, nan));
+                        // Each half's four words, then the two halves' low quads side by side.
+                        let w = _mm256_packus_epi32(r, r);
+                        _mm256_castsi256_si128(_mm256_permute4x64_epi64::<0b1000>(w))
+                    },
+                )
+            };
+            (
+                quote!((isize, isize)),
+                quote!((lo, hi)),
+                quote! {
+                    let (lo, hi) = (m.0.clamp(0, 8), m.1.clamp(0, 8));
+                    if lo == 0 && hi == 8 {
+                        return xload(p);
+                    }
+                    let mut t = [0u16; 8];
+                    let mut i = lo;
+                    while i < hi {
+                        t[i as usize] = *p.offset(i);
+                        i += 1;
+                    }
+                    xload(t.as_ptr())
+                },
+                quote! {
+                    if n >= 8 {
+                        return xstore(p, x);
+                    }
+                    let mut t = [0u16; 8];
+                    xstore(t.as_mut_ptr(), x);
+                    core::ptr::copy_nonoverlapping(t.as_ptr(), p, n);
+                },
+                quote! {
+                    /// The 8 elements at `p`, widened.
+                    #[inline]
+                    #attrs
+                    unsafe fn xload(p: *const u16) -> #ty {
+                        #load
+                    }
+                    /// `x` rounded to nearest even, as 8 16-bit elements.
+                    #[inline]
+                    #attrs
+                    unsafe fn xbits(x: #ty) -> __m128i {
+                        #bits
+                    }
+                    /// `x` rounded into the 8 elements at `p`.
+                    #[inline]
+                    #attrs
+                    unsafe fn xstore(p: *mut u16, x: #ty) {
+                        _mm_storeu_si128(p as *mut __m128i, xbits(x))
+                    }
+                },
+            )
+        }
+        (Isa::Avx512, 16) => {
+            let widen = |words: TokenStream| {
+                if f16 {
+                    quote!(_mm512_cvtph_ps(#words))
+                } else {
+                    quote!(_mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(#words))))
+                }
+            };
+            let (load, load_m) = (
+                widen(quote!(_mm256_loadu_si256(p as *const __m256i))),
+                widen(quote!(_mm256_maskz_loadu_epi16(m, p as *const i16))),
+            );
+            let bits = if f16 {
+                quote!(_mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x))
+            } else {
+                quote! {
+                    // Round to nearest even: add 0x7fff and the lowest kept bit; NaN keeps its
+                    // sign and becomes quiet.
+                    let b = _mm512_castps_si512(x);
+                    let odd = _mm512_and_si512(_mm512_srli_epi32::<16>(b), _mm512_set1_epi32(1));
+                    let r = _mm512_add_epi32(b, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+                    let q = _mm512_or_si512(b, _mm512_set1_epi32(0x40_0000));
+                    let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(x, x);
+                    _mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(_mm512_mask_blend_epi32(nan, r, q)))
+                }
+            };
+            (
+                mask_ty,
+                part_mask,
+                // Lanes outside the mask are not read (fault suppression).
+                load_m,
+                quote! {
+                    let m = ((1u32 << n.min(16)) - 1) as __mmask16;
+                    _mm256_mask_storeu_epi16(p as *mut i16, m, xbits(x))
+                },
+                quote! {
+                    /// The 16 elements at `p`, widened.
+                    #[inline]
+                    #attrs
+                    unsafe fn xload(p: *const u16) -> #ty {
+                        #load
+                    }
+                    /// `x` rounded to nearest even, as 16 16-bit elements.
+                    #[inline]
+                    #attrs
+                    unsafe fn xbits(x: #ty) -> __m256i {
+                        #bits
+                    }
+                    /// `x` rounded into the 16 elements at `p`.
+                    #[inline]
+                    #attrs
+                    unsafe fn xstore(p: *mut u16, x: #ty) {
+                        _mm256_storeu_si256(p as *mut __m256i, xbits(x))
+                    }
+                },
+            )
+        }
+        (isa, lanes) => panic!("no 16-bit helpers for {isa:?} with {lanes} lanes"),
     }
 }

@@ -11,6 +11,7 @@ use super::{for_each_worker, SendPtr};
 use crate::cpu::generated_layout::Transpose8x8;
 use crate::cpu::{self, Isa};
 use crate::params::Geometry;
+use crate::storage::{narrow, widen, Storage, StorageType};
 use crate::{Activation, ConvParams, Error, Layout, Result};
 
 /// What one depthwise kernel call computes: output rows `oy0..oy1` of one channel plane
@@ -61,6 +62,9 @@ pub struct DwKernel {
     pub block: usize,
     /// An 8-lane variant of a 16-lane ISA, for narrow images.
     pub ymm: bool,
+    /// The type of `input`, `output` and `residual`: f32, or f16/bf16 (passed cast to
+    /// `*const f32`; weights and bias are f32 in every kernel).
+    pub storage: StorageType,
 }
 
 /// Channels the channel-major packing pads to, and the block of channels the blocked NCHW
@@ -102,6 +106,22 @@ pub(crate) struct Depthwise {
     transpose: Transpose8x8,
     /// The mode a forced kernel runs in.
     forced_mode: Option<Mode>,
+    /// The ISA level the kernels were chosen for.
+    isa: Isa,
+    /// A 16-bit kernel was forced: 16-bit runs take it.
+    forced_half: bool,
+}
+
+/// The ISA of the 16-bit kernels run at level `isa`, if there are any: AVX2 needs F16C (every
+/// AVX2 CPU has it, and x86-64-v3 detection checks it), AVX-512 masks 16-bit lanes (BW + VL,
+/// part of the level's detection); NEON runs the bands' conversions around its f32 kernels.
+fn half_isa(isa: Isa) -> Option<Isa> {
+    match isa {
+        Isa::Scalar => Some(Isa::Scalar),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 | Isa::Avx512 if std::arch::is_x86_feature_detected!("f16c") => Some(isa),
+        _ => None,
+    }
 }
 
 pub(crate) struct DwPlan {
@@ -118,6 +138,14 @@ pub(crate) struct DwPlan {
     /// Blocked: scratch floats a worker needs (padded input pixels, output pixels of one
     /// block).
     scratch_per_worker: usize,
+    /// 16-bit tensors through f32 kernels, scratch floats a worker needs besides: blocked,
+    /// the f32 planes of one block's input where the output pixels cannot hold them (the f32
+    /// output planes reuse the input pixels' space); planes and channels, a tile of
+    /// `tile_rows` output rows and the input rows they read (`tile_in` floats, a whole
+    /// number of cache lines).
+    half_extra: usize,
+    tile_rows: usize,
+    tile_in: usize,
 }
 
 impl DwPlan {
@@ -145,7 +173,8 @@ impl Depthwise {
     }
 
     /// Packs the weights for `p`; `generic` forces the generic kernels, `forced` one kernel
-    /// (of `isa`): an NHWC kernel forced on NCHW runs the blocked mode.
+    /// (of `isa`): an NHWC kernel forced on NCHW runs the blocked mode. `forced_half`: the
+    /// kernel forced was a 16-bit one (`forced` is its f32 twin), which 16-bit runs take.
     pub(crate) fn new(
         p: &ConvParams,
         weights: &[f32],
@@ -153,6 +182,7 @@ impl Depthwise {
         isa: Isa,
         generic: bool,
         forced: Option<&'static DwKernel>,
+        forced_half: bool,
     ) -> Result<Self> {
         let name = if generic {
             "depthwise_generic"
@@ -250,6 +280,8 @@ impl Depthwise {
             multiplier: p.out_channels / p.in_channels,
             transpose: cpu::transpose_8x8(isa),
             forced_mode,
+            isa,
+            forced_half,
         })
     }
 
@@ -286,6 +318,17 @@ impl Depthwise {
         let bands = g.oh.div_ceil(band_rows);
         let items = units * bands;
         let (hp, wp, owp) = blocked_sizes(g, kern);
+        // 16-bit tensors through the f32 kernels: tiles of rows converted in L1.
+        let (per_in_row, per_out_row) = match mode {
+            Mode::Planes => (g.w, g.ow),
+            _ => (g.w * g.c_in, g.ow * g.c_out),
+        };
+        let mut tile_rows = (TILE_FLOATS / (per_in_row * g.sh + per_out_row).max(1)).clamp(1, g.oh);
+        if tile_rows > kern.block && matches!(mode, Mode::Planes) {
+            tile_rows = tile_rows / kern.block * kern.block;
+        }
+        let span = (g.kh - 1) * g.dh + 1;
+        let tile_in = (((tile_rows - 1) * g.sh + span).min(g.h) * per_in_row).next_multiple_of(16);
         DwPlan {
             mode,
             kern,
@@ -298,6 +341,14 @@ impl Depthwise {
                 Mode::Blocked => blocked_scratch(g, kern),
                 _ => 0,
             },
+            half_extra: match mode {
+                // Widened input planes that the output pixels' space cannot hold.
+                Mode::Blocked if g.oh * owp >= g.h * g.w => 0,
+                Mode::Blocked => BLOCK * g.h * g.w,
+                _ => tile_in + tile_rows * per_out_row,
+            },
+            tile_rows,
+            tile_in,
         }
     }
 
@@ -321,9 +372,127 @@ impl Depthwise {
         activation: Activation,
         scratch: &mut [f32],
     ) {
+        let scratch = &mut scratch[..plan.workspace_floats()];
+        self.run_typed(
+            plan, plan.kern, g, input, residual, output, activation, scratch,
+        );
+    }
+
+    /// The 16-bit kernel twin of `plan`'s f32 kernel for tensors of type `t`, if this build
+    /// and CPU have one: plane and channel modes only (the blocked mode converts in its
+    /// transposes).
+    fn half_kernel(&self, plan: &DwPlan, t: StorageType) -> Option<&'static DwKernel> {
+        if matches!(plan.mode, Mode::Blocked) {
+            return None;
+        }
+        let isa = half_isa(self.isa)?;
+        let k = plan.kern;
+        let mine = |h: &&DwKernel| h.isa == isa && h.storage == t && h.layout == k.layout;
+        let half = cpu::dw_half();
+        half.iter()
+            .filter(mine)
+            .find(|h| h.fixed == k.fixed)
+            .or_else(|| half.iter().filter(mine).find(|h| h.fixed.is_none()))
+    }
+
+    /// `Some(scratch floats)` when this plan reads `i` and writes `o` itself: a 16-bit kernel
+    /// (`i == o`, an activation the kernel applies in registers), or the blocked mode, whose
+    /// transposes convert (any types); `None`: the caller converts.
+    pub(crate) fn half_workspace_floats(
+        &self,
+        plan: &DwPlan,
+        i: StorageType,
+        o: StorageType,
+        activation: Activation,
+    ) -> Option<usize> {
+        match self.half_choice(plan, i, o, activation) {
+            Some(_) => Some(0),
+            None => Some(plan.workers * (plan.scratch_per_worker + plan.half_extra)),
+        }
+    }
+
+    /// The 16-bit kernel that runs `i` -> `o` tensors, or `None` where the f32 kernel runs on
+    /// converted tiles (or blocks): a 16-bit kernel needs `i == o`, an activation it applies
+    /// in registers, and `forced_half` or [`PREFER_HALF_KERNELS`].
+    fn half_choice(
+        &self,
+        plan: &DwPlan,
+        i: StorageType,
+        o: StorageType,
+        activation: Activation,
+    ) -> Option<&'static DwKernel> {
+        if i != o || activation.needs_pass() || !(self.forced_half || PREFER_HALF_KERNELS) {
+            return None;
+        }
+        self.half_kernel(plan, i)
+    }
+
+    /// The kernel (and conversions) `run_half` runs.
+    pub(crate) fn half_kernel_name(
+        &self,
+        plan: &DwPlan,
+        i: StorageType,
+        o: StorageType,
+        activation: Activation,
+    ) -> String {
+        match self.half_choice(plan, i, o, activation) {
+            Some(k) => k.name.to_string(),
+            None => format!("convert+{}", Self::kernel_name(plan)),
+        }
+    }
+
+    /// Runs a planned convolution on tensors of types `I` and `O`, where
+    /// `half_workspace_floats` says it can. Slice lengths were checked by the caller.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn run_half<I: Storage, O: Storage>(
+        &self,
+        plan: &DwPlan,
+        g: &Geometry,
+        input: &[I],
+        residual: Option<&[O]>,
+        output: &mut [O],
+        activation: Activation,
+        scratch: &mut [f32],
+    ) {
+        let floats = self
+            .half_workspace_floats(plan, I::TYPE, O::TYPE, activation)
+            .expect("run_half runs only what half_workspace_floats takes");
+        let kern = self
+            .half_choice(plan, I::TYPE, O::TYPE, activation)
+            .unwrap_or(plan.kern);
+        self.run_typed(
+            plan,
+            kern,
+            g,
+            input,
+            residual,
+            output,
+            activation,
+            &mut scratch[..floats],
+        );
+    }
+
+    /// Runs `kern` (of `I` tensors, or f32 ones in the blocked mode) over `plan`'s items.
+    #[allow(clippy::too_many_arguments)]
+    fn run_typed<I: Storage, O: Storage>(
+        &self,
+        plan: &DwPlan,
+        kern: &'static DwKernel,
+        g: &Geometry,
+        input: &[I],
+        residual: Option<&[O]>,
+        output: &mut [O],
+        activation: Activation,
+        scratch: &mut [f32],
+    ) {
         let (min, max) = activation.clamp_bounds();
-        let out = SendPtr(output.as_mut_ptr());
-        let res = SendPtr(residual.map_or(std::ptr::null_mut(), |r| r.as_ptr() as *mut f32));
+        let out = SendPtr(output.as_mut_ptr() as *mut f32);
+        // Element `off` of the output (or the residual), as the kernels take it.
+        let out_at = |off: usize| (out.get() as *mut O).wrapping_add(off) as *mut f32;
+        let res_at = |off: usize| match residual {
+            Some(r) => r.as_ptr().wrapping_add(off) as *const f32,
+            None => std::ptr::null(),
+        };
         let args = |input: *const f32, output: *mut f32, residual: *const f32| DwArgs {
             input,
             output,
@@ -348,20 +517,77 @@ impl Depthwise {
             min,
             max,
         };
-        let offset = |p: SendPtr, off: usize| {
-            if p.get().is_null() {
-                std::ptr::null()
-            } else {
-                p.get().wrapping_add(off) as *const f32
+        let (hw, ohw) = (g.h * g.w, g.oh * g.ow);
+        // 16-bit tensors, f32 kernel: tiles of rows converted in the worker's scratch.
+        let tiled = kern.storage == StorageType::F32
+            && (I::TYPE != StorageType::F32 || O::TYPE != StorageType::F32);
+        let has_res = residual.is_some();
+        // Runs the f32 kernel `a` (at output row 0 of its tile) on output rows `oy0..oy1` of
+        // a unit whose input is `x` (`per_in` floats a row) and output starts at `o`
+        // (`per_out` floats a row), a tile of rows at a time, converting on the way in and out.
+        let run_tiles = |s: &mut [f32],
+                         a: DwArgs,
+                         x: &[I],
+                         per_in: usize,
+                         per_out: usize,
+                         o: usize,
+                         oy0: usize,
+                         oy1: usize| {
+            let (tin, tout) = s.split_at_mut(plan.tile_in);
+            let span = ((g.kh - 1) * g.dh + 1) as isize;
+            let mut y0 = oy0;
+            while y0 < oy1 {
+                let y1 = (y0 + plan.tile_rows).min(oy1);
+                let start = (y0 * g.sh) as isize - g.pad_top as isize;
+                let end = ((y1 - 1) * g.sh) as isize + span - g.pad_top as isize;
+                let lo = start.clamp(0, g.h as isize);
+                let hi = end.clamp(lo, g.h as isize);
+                let (lo, hi) = (lo as usize, hi as usize);
+                widen(&x[lo * per_in..hi * per_in], &mut tin[..(hi - lo) * per_in]);
+                let len = (y1 - y0) * per_out;
+                let y = &mut tout[..len];
+                let t = DwArgs {
+                    input: tin.as_ptr(),
+                    output: y.as_mut_ptr(),
+                    residual: std::ptr::null(),
+                    in_h: hi - lo,
+                    pad_top: if hi > lo {
+                        (lo as isize - start) as usize
+                    } else {
+                        0
+                    },
+                    oy0: 0,
+                    oy1: y1 - y0,
+                    // With a residual the clamp waits until it is added.
+                    min: if has_res { f32::NEG_INFINITY } else { min },
+                    max: if has_res { f32::INFINITY } else { max },
+                    ..a
+                };
+                // SAFETY: the f32 kernel of the plan (its ISA checked at create), on the
+                // tile's rows `lo..hi` of the unit's input (converted above, `in_h` of them)
+                // and `y1 - y0` output rows of the scratch.
+                unsafe { (kern.func)(&t) };
+                let at = o + y0 * per_out;
+                // SAFETY: this item's output rows, inside the output (length checked), written
+                // by no other item.
+                let dst =
+                    unsafe { std::slice::from_raw_parts_mut((out.get() as *mut O).add(at), len) };
+                finish(
+                    y,
+                    residual.map(|r| &r[at..at + len]),
+                    dst,
+                    min,
+                    max,
+                    activation,
+                );
+                y0 = y1;
             }
         };
-        let (hw, ohw) = (g.h * g.w, g.oh * g.ow);
-        let scratch = &mut scratch[..plan.workspace_floats()];
         for_each_worker(plan.workers, plan.items, scratch, |s, item| {
             let unit = item / plan.bands;
             let oy0 = item % plan.bands * plan.band_rows;
             let oy1 = (oy0 + plan.band_rows).min(g.oh);
-            // Output floats this item writes: its activation pass runs over them.
+            // f32 outputs this item writes: its activation pass runs over them.
             let written = match plan.mode {
                 Mode::Planes => {
                     let (n, oc) = (unit / g.c_out, unit % g.c_out);
@@ -370,27 +596,52 @@ impl Depthwise {
                     };
                     let taps = g.kh * g.kw;
                     let o = unit * ohw;
+                    if tiled {
+                        let first = (n * g.c_in + oc / self.multiplier) * hw;
+                        let a = DwArgs {
+                            weights: weights[oc * taps..].as_ptr(),
+                            bias: &bias[oc],
+                            ..args(std::ptr::null(), std::ptr::null_mut(), std::ptr::null())
+                        };
+                        run_tiles(s, a, &input[first..first + hw], g.w, g.ow, o, oy0, oy1);
+                        return;
+                    }
                     let a = DwArgs {
                         weights: weights[oc * taps..].as_ptr(),
                         bias: &bias[oc],
                         oy0,
                         oy1,
                         ..args(
-                            input[(n * g.c_in + oc / self.multiplier) * hw..].as_ptr(),
-                            out.get().wrapping_add(o),
-                            offset(res, o),
+                            input[(n * g.c_in + oc / self.multiplier) * hw..].as_ptr()
+                                as *const f32,
+                            out_at(o),
+                            res_at(o),
                         )
                     };
-                    // SAFETY: the kernel's ISA was checked when the weights were packed; the
-                    // input, output and residual hold the geometry's tensors (lengths checked)
-                    // and the weights and bias were packed for it; items write disjoint rows.
-                    unsafe { (plan.kern.func)(&a) };
+                    // SAFETY: the kernel's ISA was checked when the weights were packed (a
+                    // 16-bit kernel's by `half_isa`) and it reads and writes `I` = `O`
+                    // elements (`half_kernel`); the input, output and residual hold the
+                    // geometry's tensors (lengths checked) and the weights and bias were
+                    // packed for it; items write disjoint rows.
+                    unsafe { (kern.func)(&a) };
                     o + oy0 * g.ow..o + oy1 * g.ow
                 }
                 Mode::Channels => {
                     let cw = self.channel_weights();
                     let row = g.ow * g.c_out;
                     let o = unit * g.oh * row;
+                    if tiled {
+                        let first = unit * hw * g.c_in;
+                        let a = DwArgs {
+                            weights: cw.weights.as_ptr(),
+                            bias: cw.bias.as_ptr(),
+                            wstride: cw.wstride,
+                            ..args(std::ptr::null(), std::ptr::null_mut(), std::ptr::null())
+                        };
+                        let x = &input[first..first + hw * g.c_in];
+                        run_tiles(s, a, x, g.w * g.c_in, row, o, oy0, oy1);
+                        return;
+                    }
                     let a = DwArgs {
                         weights: cw.weights.as_ptr(),
                         bias: cw.bias.as_ptr(),
@@ -398,13 +649,13 @@ impl Depthwise {
                         oy0,
                         oy1,
                         ..args(
-                            input[unit * hw * g.c_in..].as_ptr(),
-                            out.get().wrapping_add(o),
-                            offset(res, o),
+                            input[unit * hw * g.c_in..].as_ptr() as *const f32,
+                            out_at(o),
+                            res_at(o),
                         )
                     };
                     // SAFETY: as above.
-                    unsafe { (plan.kern.func)(&a) };
+                    unsafe { (kern.func)(&a) };
                     o + oy0 * row..o + oy1 * row
                 }
                 Mode::Blocked => {
@@ -413,18 +664,26 @@ impl Depthwise {
                     let (n, c0) = (unit / blocks, unit % blocks * BLOCK);
                     let cb = BLOCK.min(g.c_out - c0);
                     let (hp, wp, owp) = plan.padded;
-                    let (pix_in, pix_out) = s.split_at_mut(BLOCK * hp * wp);
+                    let (pix_in, rest) = s.split_at_mut(BLOCK * hp * wp);
+                    let (pix_out, extra) = rest.split_at_mut(BLOCK * g.oh * owp);
                     let first = (n * g.c_out + c0) * hw;
-                    to_pixels(
-                        self.transpose,
-                        &input[first..first + cb * hw],
-                        g,
-                        wp,
-                        cb,
-                        &mut pix_in[..cb * hp * wp],
-                    );
+                    let src = &input[first..first + cb * hw];
+                    let src: &[f32] = if I::TYPE == StorageType::F32 {
+                        bytemuck::cast_slice(src)
+                    } else {
+                        // The widened planes go where the output pixels will (unused until
+                        // the kernel runs), or past them where those are fewer.
+                        let planes = if pix_out.len() >= cb * hw {
+                            &mut pix_out[..cb * hw]
+                        } else {
+                            &mut extra[..cb * hw]
+                        };
+                        widen(src, planes);
+                        planes
+                    };
+                    to_pixels(self.transpose, src, g, wp, cb, &mut pix_in[..cb * hp * wp]);
                     let o = (n * g.c_out + c0) * ohw;
-                    let has_res = !res.get().is_null();
+                    let has_res = residual.is_some();
                     let a = DwArgs {
                         weights: cw.weights[c0..].as_ptr(),
                         bias: cw.bias[c0..].as_ptr(),
@@ -440,33 +699,57 @@ impl Depthwise {
                         max: if has_res { f32::INFINITY } else { max },
                         ..args(pix_in.as_ptr(), pix_out.as_mut_ptr(), std::ptr::null())
                     };
-                    // SAFETY: as above; the kernel reads and writes the worker's own scratch,
-                    // which holds one block's padded input and output pixels.
-                    unsafe { (plan.kern.func)(&a) };
+                    // SAFETY: as above; `kern` is the f32 channel kernel, reading and writing
+                    // the worker's own scratch, which holds one block's padded input and
+                    // output pixels.
+                    unsafe { (kern.func)(&a) };
                     // SAFETY: this block's planes, inside the output (length checked), written
                     // by no other item.
-                    let dst = unsafe { std::slice::from_raw_parts_mut(out.get().add(o), cb * ohw) };
-                    let res = has_res.then(|| {
-                        // SAFETY: the residual has the output's length (checked).
-                        unsafe { std::slice::from_raw_parts(res.get().add(o), cb * ohw) }
-                    });
-                    to_planes(
-                        self.transpose,
-                        &pix_out[..cb * g.oh * owp],
-                        g,
-                        owp,
-                        cb,
-                        dst,
-                        res,
-                        min,
-                        max,
-                    );
-                    o..o + cb * ohw
+                    let dst = unsafe {
+                        std::slice::from_raw_parts_mut((out.get() as *mut O).add(o), cb * ohw)
+                    };
+                    let res = residual.map(|r| &r[o..o + cb * ohw]);
+                    if O::TYPE == StorageType::F32 {
+                        let dst: &mut [f32] = bytemuck::cast_slice_mut(dst);
+                        let res: Option<&[f32]> = res.map(bytemuck::cast_slice);
+                        to_planes(
+                            self.transpose,
+                            &pix_out[..cb * g.oh * owp],
+                            g,
+                            owp,
+                            cb,
+                            dst,
+                            res,
+                            min,
+                            max,
+                        );
+                        o..o + cb * ohw
+                    } else {
+                        // Residual, clamp and activation in f32, then one rounding; the f32
+                        // planes go where the input pixels were (no longer needed).
+                        let y = &mut pix_in[..cb * ohw];
+                        let pix = &pix_out[..cb * g.oh * owp];
+                        to_planes(self.transpose, pix, g, owp, cb, y, None, min, max);
+                        if let Some(r) = res {
+                            for (v, r) in y.iter_mut().zip(r) {
+                                *v = (*v + r.to_f32()).max(min).min(max);
+                            }
+                        }
+                        if activation.needs_pass() {
+                            activation.apply_slice(y);
+                        }
+                        narrow(y, dst);
+                        o..o
+                    }
                 }
             };
-            if activation.needs_pass() {
+            if activation.needs_pass() && !written.is_empty() {
+                assert!(
+                    O::TYPE == StorageType::F32,
+                    "16-bit kernels apply clamps only"
+                );
                 // SAFETY: this item's outputs, inside the output (checked length), written by
-                // no other item.
+                // no other item; `O` is f32.
                 let rows = unsafe {
                     std::slice::from_raw_parts_mut(out.get().add(written.start), written.len())
                 };
@@ -480,6 +763,39 @@ impl Depthwise {
             .as_ref()
             .expect("channel modes are planned only with channel weights")
     }
+}
+
+/// Floats of a 16-bit tile (input rows and output rows, converted): within L1.
+const TILE_FLOATS: usize = 6 * 1024;
+
+/// Whether 16-bit tensors run the generated 16-bit kernels (widening on every load) rather
+/// than the f32 kernels on tiles converted in L1 (each element widened once, but a pass more
+/// through L1). Measured with `convkit bench --dtype f16` (one thread, AMD EPYC Zen 4 with
+/// AVX-512, a shared and noisy machine, three interleaved rounds, GFLOP/s f32 / tiles /
+/// 16-bit kernel): mobilenetv2_dw3x3_112 31-39 / 23-33 / 35-36; dw3x3_28 21-22 / 18-21 /
+/// 20-24. The tiles serve what the 16-bit kernels do not take (f16 in, f32 out; SiLU and the
+/// other activations that run as a pass; NEON).
+const PREFER_HALF_KERNELS: bool = true;
+
+/// The f32 outputs `y` of a tile into `dst`: the residual added and the clamp applied (the
+/// kernel left both to here when there is a residual), the other activations, one rounding.
+fn finish<O: Storage>(
+    y: &mut [f32],
+    residual: Option<&[O]>,
+    dst: &mut [O],
+    min: f32,
+    max: f32,
+    activation: Activation,
+) {
+    if let Some(r) = residual {
+        for (v, r) in y.iter_mut().zip(r) {
+            *v = (*v + r.to_f32()).max(min).min(max);
+        }
+    }
+    if activation.needs_pass() {
+        activation.apply_slice(y);
+    }
+    narrow(y, dst);
 }
 
 /// The most scratch floats a worker of the blocked mode may take (4 MiB) before the choice

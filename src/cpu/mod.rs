@@ -330,6 +330,11 @@ pub(crate) fn dw_f32() -> &'static [crate::algo::depthwise::DwKernel] {
     generated_dw::DW_F32_KERNELS
 }
 
+/// The generated 16-bit (f16, bf16) depthwise kernels compiled for this target.
+pub(crate) fn dw_half() -> &'static [crate::algo::depthwise::DwKernel] {
+    generated_dw::DW_HALF_KERNELS
+}
+
 /// The generated direct kernels compiled for this target.
 pub(crate) fn direct_f32() -> &'static [crate::algo::direct::DirectKernel] {
     generated_dw::DIRECT_F32_KERNELS
@@ -376,6 +381,9 @@ pub struct KernelInfo {
     pub fixed: Option<(usize, usize)>,
     /// The kernel takes only 1-D convolutions (kernel height 1; `fixed` is then its width).
     pub conv1d: bool,
+    /// The type the kernel reads and writes tensors in: f32 for all but the 16-bit depthwise
+    /// kernels (`dw_f16_*`, `dw_bf16_*`, run by [`Plan::run_storage`](crate::Plan::run_storage)).
+    pub storage: crate::StorageType,
 }
 
 /// Every generated kernel compiled for this target (whether or not this CPU can run it).
@@ -387,14 +395,16 @@ pub fn registry() -> Vec<KernelInfo> {
         layout: None,
         fixed: None,
         conv1d: false,
+        storage: crate::StorageType::F32,
     });
-    let dw = dw_f32().iter().map(|k| KernelInfo {
+    let dw = dw_f32().iter().chain(dw_half()).map(|k| KernelInfo {
         name: k.name,
         isa: k.isa,
         family: Family::Depthwise,
         layout: Some(k.layout),
         fixed: k.fixed,
         conv1d: false,
+        storage: k.storage,
     });
     let direct = direct_f32().iter().map(|k| KernelInfo {
         name: k.name,
@@ -403,6 +413,7 @@ pub fn registry() -> Vec<KernelInfo> {
         layout: Some(crate::Layout::Nchw),
         fixed: Some(k.fixed),
         conv1d: false,
+        storage: crate::StorageType::F32,
     });
     let wino = wino_f32().iter().map(|k| KernelInfo {
         name: k.name,
@@ -411,6 +422,7 @@ pub fn registry() -> Vec<KernelInfo> {
         layout: None,
         fixed: Some((3, 1)),
         conv1d: k.dims == 1,
+        storage: crate::StorageType::F32,
     });
     #[cfg(feature = "int8")]
     let q = generated_q::QGEMM_KERNELS.iter().map(|k| KernelInfo {
@@ -420,6 +432,7 @@ pub fn registry() -> Vec<KernelInfo> {
         layout: None,
         fixed: None,
         conv1d: false,
+        storage: crate::StorageType::F32,
     });
     #[cfg(feature = "int8")]
     let qdw = generated_qdw::QDW_KERNELS.iter().map(|k| KernelInfo {
@@ -429,6 +442,7 @@ pub fn registry() -> Vec<KernelInfo> {
         layout: None,
         fixed: Some((k.k, k.s)),
         conv1d: false,
+        storage: crate::StorageType::F32,
     });
     let all = gemm.chain(dw).chain(direct).chain(wino);
     #[cfg(feature = "int8")]

@@ -41,6 +41,10 @@ pub enum Dtype {
     U8,
     /// Quantized, i8 activations (zero point 0) and outputs.
     I8,
+    /// Inputs, weights, bias and outputs stored in f16, arithmetic in f32.
+    F16,
+    /// Inputs, weights, bias and outputs stored in bf16, arithmetic in f32.
+    Bf16,
 }
 
 impl Dtype {
@@ -49,7 +53,14 @@ impl Dtype {
             Dtype::F32 => "f32",
             Dtype::U8 => "u8",
             Dtype::I8 => "i8",
+            Dtype::F16 => "f16",
+            Dtype::Bf16 => "bf16",
         }
+    }
+
+    /// True for the quantized types (int8 kernels and GOP/s).
+    pub fn is_int8(self) -> bool {
+        matches!(self, Dtype::U8 | Dtype::I8)
     }
 }
 
@@ -60,7 +71,9 @@ impl std::str::FromStr for Dtype {
             "f32" => Ok(Dtype::F32),
             "u8" => Ok(Dtype::U8),
             "i8" | "int8" => Ok(Dtype::I8),
-            _ => Err("not one of f32, u8, i8".into()),
+            "f16" => Ok(Dtype::F16),
+            "bf16" => Ok(Dtype::Bf16),
+            _ => Err("not one of f32, f16, bf16, u8, i8".into()),
         }
     }
 }
@@ -144,7 +157,12 @@ pub fn main(args: &[String]) -> CliResult<bool> {
         None => None,
     };
     if let Some(k) = kernel {
-        if k.family.is_int8() != (dtype != Dtype::F32) {
+        let storage = match dtype {
+            Dtype::F16 => convkit::StorageType::F16,
+            Dtype::Bf16 => convkit::StorageType::Bf16,
+            _ => convkit::StorageType::F32,
+        };
+        if k.family.is_int8() != dtype.is_int8() || (!dtype.is_int8() && k.storage != storage) {
             return Err(CliError::Usage(format!(
                 "--kernel {} does not run --dtype {}",
                 k.name,
@@ -193,7 +211,7 @@ pub fn main(args: &[String]) -> CliResult<bool> {
     ));
     // int8: the peak of the kernel's multiply-adds, a multiple of the f32 FMA peak.
     let (peak, unit) = match dtype {
-        Dtype::F32 => (peak, Unit::F32),
+        Dtype::F32 | Dtype::F16 | Dtype::Bf16 => (peak, Unit::F32),
         _ => {
             let (factor, why) = crate::qcli::peak_factor(isa, kernel.map(|k| k.name));
             note(format!(
@@ -214,6 +232,7 @@ pub fn main(args: &[String]) -> CliResult<bool> {
                 crate::passes::bench_layer(layer, options, reps, pass)
             }
             Dtype::F32 => bench_layer(layer, options, reps),
+            Dtype::F16 | Dtype::Bf16 => crate::halfcli::bench_layer(layer, options, reps, dtype),
             q => crate::qcli::bench_layer(layer, options, reps, q),
         };
         let outcome = match rayon::scope(|_| run()) {

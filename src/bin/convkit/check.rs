@@ -13,6 +13,9 @@ pub fn main(args: &[String]) -> CliResult<bool> {
 
     let (threads, _) = setup_threads(flags.parsed("threads")?)?;
     let dtype: Dtype = flags.parsed("dtype")?.unwrap_or(Dtype::F32);
+    if matches!(dtype, Dtype::F16 | Dtype::Bf16) {
+        return Ok(crate::halfcli::check(&layers, threads, dtype));
+    }
     if dtype != Dtype::F32 {
         return Ok(crate::qcli::check(&layers, threads, dtype));
     }

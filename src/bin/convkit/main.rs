@@ -6,6 +6,7 @@ mod bench;
 mod check;
 #[cfg(feature = "gpu")]
 mod gpu;
+mod halfcli;
 mod layers;
 mod passes;
 mod peak;
@@ -24,7 +25,7 @@ Usage:
       CPU, ISA levels, threads, kernels and algorithms.
   convkit bench [--layers FILE] [--only NAME,...] [--threads N] [--isa LEVEL]
                 [--layout nchw|nhwc] [--algorithm NAME] [--kernel NAME] [--precision P] [--reps N]
-                [--dtype f32|u8|i8] [--batch N] [--peak GFLOPS] [--csv]
+                [--dtype f32|f16|bf16|u8|i8] [--batch N] [--peak GFLOPS] [--csv]
                 [--pass forward|backward-data|backward-weights|transposed]
       Check each layer once against the reference, then time it (median of --reps,
       default 7, repetitions of >= 20 ms each). --dtype u8|i8: quantized (GOP/s).
@@ -39,7 +40,7 @@ Usage:
   convkit check --device gpu [--adapter NAME] [--layers FILE] [--only NAME,...] [--layout L]
       Each layer on the GPU against the reference.
   convkit check [--layers FILE] [--only NAME,...] [--threads N] [--layout nchw|nhwc]
-                [--dtype f32|u8|i8]
+                [--dtype f32|f16|bf16|u8|i8]
       Every layer with every algorithm at every ISA level of this CPU (with --dtype u8|i8:
       every int8 kernel), against the reference.
   convkit run --layer N,C_IN,H,W,C_OUT,KH,KW,SH,SW,PH,PW,DH,DW,GROUPS
@@ -76,7 +77,8 @@ Options:
   --kernel NAME     force a generated kernel, at its ISA (see `convkit info`)
   --precision P     exact (never Winograd), accurate (F(2,3), F(4,3) only) or balanced
                     (default: F(6,3) too)
-  --dtype D         f32 (default), or quantized: u8 (u8 in/out, zero point 128) or i8
+  --dtype D         f32 (default); f16 or bf16 (tensors stored in 16 bits, arithmetic in
+                    f32, GFLOP/s); or quantized: u8 (u8 in/out, zero point 128) or i8
   --peak GFLOPS     per-core peak for the %peak column (default: measured at start-up)
   --csv             CSV instead of a table on stdout
 

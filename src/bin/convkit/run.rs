@@ -37,6 +37,11 @@ pub fn main(args: &[String]) -> CliResult<bool> {
         &[],
     )?;
     let dtype: Dtype = flags.parsed("dtype")?.unwrap_or(Dtype::F32);
+    if matches!(dtype, Dtype::F16 | Dtype::Bf16) {
+        return Err(CliError::Usage(
+            "run takes --dtype f32, u8 or i8 (f16 and bf16: bench and check)".into(),
+        ));
+    }
     let pass: Pass = flags.parsed("pass")?.unwrap_or(Pass::Forward);
     if pass != Pass::Forward {
         if dtype != Dtype::F32 {
