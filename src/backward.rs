@@ -456,7 +456,7 @@ impl BackwardPlan {
         }
     }
 
-    /// Which path and kernel each pass runs, e.g. `data: forward/winograd, weights:
+    /// Which path and kernel each pass runs, e.g. `data: forward/winograd; weights:
     /// tap_gemm/gemm_f32_6x16_avx2`.
     pub fn kernel_name(&self) -> String {
         let inner = &self.inner;
@@ -470,7 +470,7 @@ impl BackwardPlan {
                 .map(|d| d.kernel_name())
                 .unwrap_or_default(),
         };
-        format!("data: {}, weights: {weights}", inner.data.kernel_name())
+        format!("data: {}; weights: {weights}", inner.data.kernel_name())
     }
 
     /// Flops of either pass (2 per multiply-add, as for the forward pass).

@@ -16,6 +16,7 @@
 
 use super::backward_gemm::{isa_dispatch, Epilogue};
 use super::{for_each_worker, SendPtr};
+use crate::cpu::generated_layout::Transpose8x8;
 use crate::cpu::Isa;
 use crate::params::Geometry;
 use crate::{ConvParams, Layout};
@@ -62,6 +63,16 @@ isa_dispatch!(fn weights_nchw_at = weights_nchw(
     scratch: &mut [f32],
     oc: usize,
 ));
+isa_dispatch!(fn weights_blocked_at = weights_blocked(
+    t: Transpose8x8,
+    g: &Geometry,
+    x: &[f32],
+    dy: &[f32],
+    dw: &mut [f32],
+    accumulate: bool,
+    scratch: &mut [f32],
+    item: usize,
+));
 isa_dispatch!(fn weights_nhwc_at = weights_nhwc(
     plan: &DwBackwardPlan,
     g: &Geometry,
@@ -76,6 +87,7 @@ isa_dispatch!(fn weights_nhwc_at = weights_nhwc(
 /// A depthwise convolution's weights for the backward kernels.
 pub(crate) struct DwBackward {
     isa: Isa,
+    transpose: Transpose8x8,
     /// NCHW: OIHW as given (`c_out x taps`); NHWC: tap-major (`taps x c_out`).
     weights: Vec<f32>,
     layout: Layout,
@@ -98,6 +110,9 @@ pub(crate) struct DwBackwardPlan {
     /// Per tap column (NCHW backward weights): the stride phase and offset of the padded input
     /// row it reads.
     wtaps: Vec<[usize; 2]>,
+    /// Backward weights in blocks of `BLOCK` channels (depthwise, multiplier 1, scratch within
+    /// `BLOCKED_MAX`).
+    blocked: bool,
 }
 
 /// Tap column `kx` of an NCHW input row: column `x = phase + s·j` takes output column
@@ -145,6 +160,7 @@ impl DwBackward {
         };
         DwBackward {
             isa,
+            transpose: crate::cpu::transpose_8x8(isa),
             weights,
             layout: p.layout,
         }
@@ -155,7 +171,7 @@ impl DwBackward {
     }
 
     pub(crate) fn plan(&self, g: &Geometry, threads: usize) -> DwBackwardPlan {
-        let (data_items, weight_items, data_scratch, weight_scratch) = match self.layout {
+        let (data_items, mut weight_items, data_scratch, mut weight_scratch) = match self.layout {
             Layout::Nchw => (
                 g.batch * g.c_in,
                 g.c_out,
@@ -171,6 +187,11 @@ impl DwBackward {
                 g.kh * g.kw * NHWC_CHANNELS,
             ),
         };
+        let blocked_scratch = blocked_floats(g);
+        let blocked = g.cin_g() == 1 && g.cout_g() == 1 && blocked_scratch <= BLOCKED_MAX;
+        if blocked {
+            (weight_items, weight_scratch) = (g.c_out.div_ceil(BLOCK), blocked_scratch);
+        }
         // Output position `o` whose tap `k` lands on input position `i`: i + pad - k·d = o·s.
         let source = |i: usize, k: usize, pad: usize, d: usize, s: usize, outs: usize| {
             let t = (i + pad) as isize - (k * d) as isize;
@@ -217,6 +238,7 @@ impl DwBackward {
             src_x,
             xtaps,
             wtaps,
+            blocked,
         }
     }
 
@@ -272,16 +294,21 @@ impl DwBackward {
         let out = SendPtr(dw.as_mut_ptr());
         let scratch = &mut scratch[..plan.workers * plan.weight_scratch];
         let items = match self.layout {
+            _ if plan.blocked => g.c_out.div_ceil(BLOCK),
             Layout::Nchw => g.c_out,
             Layout::Nhwc => g.c_out.div_ceil(NHWC_CHANNELS),
         };
         let len = g.c_out * g.k_len();
+        let t = self.transpose;
         for_each_worker(plan.workers, items, scratch, |s, item| {
             // SAFETY: an item writes the weights of its output channels only, within `dw`
             // (its length was checked). The ISA was checked against the CPU at create.
             unsafe {
                 let dw = std::slice::from_raw_parts_mut(out.get(), len);
                 match self.layout {
+                    _ if plan.blocked => {
+                        weights_blocked_at(self.isa, t, g, x, dy, dw, accumulate, s, item)
+                    }
                     Layout::Nchw => {
                         weights_nchw_at(self.isa, plan, g, x, dy, dw, accumulate, s, item)
                     }
@@ -649,6 +676,255 @@ fn weights_nhwc<const F: bool>(
         for (t, d) in dst.iter_mut().enumerate() {
             let v = sums[t * NHWC_CHANNELS + i];
             *d = if accumulate { *d + v } else { v };
+        }
+    }
+}
+
+/// Channels a blocked backward-weights item takes (one AVX-512 vector, two AVX2 ones).
+const BLOCK: usize = 16;
+/// The most floats of scratch a blocked item may take (16 MiB); larger images run the row
+/// kernels.
+const BLOCKED_MAX: usize = 4 << 20;
+
+/// (rows, columns) of the zero-padded input a blocked item copies: every position a tap
+/// reads.
+fn blocked_extent(g: &Geometry) -> (usize, usize) {
+    (
+        (g.oh - 1) * g.sh + (g.kh - 1) * g.dh + 1,
+        (g.ow - 1) * g.sw + (g.kw - 1) * g.dw + 1,
+    )
+}
+
+/// Scratch floats of one blocked item: the padded input block, the output-gradient block and
+/// the tap sums.
+fn blocked_floats(g: &Geometry) -> usize {
+    let (hp, wp) = blocked_extent(g);
+    (hp * wp + g.oh * g.ow + g.kh * g.kw) * BLOCK
+}
+
+/// `BLOCK` depthwise channels' weight gradients (multiplier 1, either layout): per image, the
+/// channels' input is copied into a zero-padded block of 16-channel pixels and their output
+/// gradient into one of 16-channel pixels (NCHW through 8x8 transposes), then per tap row
+/// and block of up to four tap columns one pass over the output pixels multiplies each
+/// output-gradient pixel by the input pixel each tap reads, the sums in registers for the
+/// whole pass. No lane is spent on padding however small the image.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn weights_blocked<const F: bool>(
+    t: Transpose8x8,
+    g: &Geometry,
+    x: &[f32],
+    dy: &[f32],
+    dw: &mut [f32],
+    accumulate: bool,
+    scratch: &mut [f32],
+    item: usize,
+) {
+    let (hp, wp) = blocked_extent(g);
+    let taps = g.kh * g.kw;
+    let c0 = item * BLOCK;
+    let cc = BLOCK.min(g.c_out - c0);
+    let (xb, rest) = scratch.split_at_mut(hp * wp * BLOCK);
+    let (db, rest) = rest.split_at_mut(g.oh * g.ow * BLOCK);
+    let sums = &mut rest[..taps * BLOCK];
+    sums.fill(0.0);
+    for n in 0..g.batch {
+        fill_input_block(t, g, x, n, c0, cc, (hp, wp), xb);
+        fill_grad_block(t, g, dy, n, c0, cc, db);
+        // Taps in groups of at most 9 (3x3 in one pass; 5x5 9 + 9 + 7): that many independent
+        // chains, each input pixel loaded once per tap.
+        let group = taps.div_ceil(taps.div_ceil(9));
+        for t0 in (0..taps).step_by(group) {
+            let acc = &mut sums[t0 * BLOCK..];
+            let pass = BlockPass { g, xb, db, wp, t0 };
+            match group.min(taps - t0) {
+                1 => pass.run::<1, F>(acc),
+                2 => pass.run::<2, F>(acc),
+                3 => pass.run::<3, F>(acc),
+                4 => pass.run::<4, F>(acc),
+                5 => pass.run::<5, F>(acc),
+                6 => pass.run::<6, F>(acc),
+                7 => pass.run::<7, F>(acc),
+                8 => pass.run::<8, F>(acc),
+                _ => pass.run::<9, F>(acc),
+            }
+        }
+    }
+    for i in 0..cc {
+        let dst = &mut dw[(c0 + i) * taps..][..taps];
+        for (tap, d) in dst.iter_mut().enumerate() {
+            let v = sums[tap * BLOCK + i];
+            *d = if accumulate { *d + v } else { v };
+        }
+    }
+}
+
+/// One pass of [`weights_blocked`] over the taps `t0..t0 + K` (row-major over (ky, kx)).
+struct BlockPass<'a> {
+    g: &'a Geometry,
+    xb: &'a [f32],
+    db: &'a [f32],
+    wp: usize,
+    t0: usize,
+}
+
+impl BlockPass<'_> {
+    /// `acc[q] += Σ over output pixels of dy[pixel] · x[the pixel's tap t0 + q]`, 16 channels
+    /// a lane, `K` independent chains kept in registers.
+    #[inline(always)]
+    fn run<const K: usize, const F: bool>(&self, acc: &mut [f32]) {
+        let (g, wp) = (self.g, self.wp);
+        let mut offs = [0usize; K];
+        for (q, o) in offs.iter_mut().enumerate() {
+            let (ky, kx) = ((self.t0 + q) / g.kw, (self.t0 + q) % g.kw);
+            *o = (ky * g.dh * wp + kx * g.dw) * BLOCK;
+        }
+        let reach = offs[K - 1] + BLOCK;
+        let mut lanes = [[0.0f32; BLOCK]; K];
+        for oy in 0..g.oh {
+            for ox in 0..g.ow {
+                let d = &self.db[(oy * g.ow + ox) * BLOCK..][..BLOCK];
+                let base = (oy * g.sh * wp + ox * g.sw) * BLOCK;
+                let xs = &self.xb[base..][..reach];
+                for q in 0..K {
+                    let x = &xs[offs[q]..][..BLOCK];
+                    for i in 0..BLOCK {
+                        lanes[q][i] = madd::<F>(d[i], x[i], lanes[q][i]);
+                    }
+                }
+            }
+        }
+        for (q, l) in lanes.iter().enumerate() {
+            acc[q * BLOCK..][..BLOCK]
+                .iter_mut()
+                .zip(l)
+                .for_each(|(a, &v)| *a += v);
+        }
+    }
+}
+
+/// Channels `c0..c0 + cc` of image `n`'s input as zero-padded 16-channel pixels (`hp x wp`;
+/// pixel (iy, ix) at (iy + pad_top, ix + pad_left), positions no tap reads left out).
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn fill_input_block(
+    t: Transpose8x8,
+    g: &Geometry,
+    x: &[f32],
+    n: usize,
+    c0: usize,
+    cc: usize,
+    (hp, wp): (usize, usize),
+    xb: &mut [f32],
+) {
+    xb.fill(0.0);
+    let rows = g.h.min(hp.saturating_sub(g.pad_top));
+    let cols = g.w.min(wp.saturating_sub(g.pad_left));
+    for iy in 0..rows {
+        let dst_row = (iy + g.pad_top) * wp + g.pad_left;
+        match g.layout {
+            Layout::Nhwc => {
+                for ix in 0..cols {
+                    let src = &x[((n * g.h + iy) * g.w + ix) * g.c_in + c0..][..cc];
+                    xb[(dst_row + ix) * BLOCK..][..cc].copy_from_slice(src);
+                }
+            }
+            Layout::Nchw => {
+                let plane = g.h * g.w;
+                let src = |c: usize, ix: usize| x[(n * g.c_in + c0 + c) * plane + iy * g.w + ix];
+                to_block(
+                    t,
+                    cc,
+                    cols,
+                    plane,
+                    &mut xb[dst_row * BLOCK..],
+                    |c| &x[(n * g.c_in + c0 + c) * plane + iy * g.w..],
+                    src,
+                );
+            }
+        }
+    }
+}
+
+/// Channels `c0..c0 + cc` of image `n`'s output gradient as 16-channel pixels (`oh x ow`).
+#[inline(always)]
+fn fill_grad_block(
+    t: Transpose8x8,
+    g: &Geometry,
+    dy: &[f32],
+    n: usize,
+    c0: usize,
+    cc: usize,
+    db: &mut [f32],
+) {
+    let pixels = g.oh * g.ow;
+    match g.layout {
+        Layout::Nhwc => {
+            for p in 0..pixels {
+                let src = &dy[(n * pixels + p) * g.c_out + c0..][..cc];
+                let d = &mut db[p * BLOCK..][..BLOCK];
+                d[..cc].copy_from_slice(src);
+                d[cc..].fill(0.0);
+            }
+        }
+        Layout::Nchw => {
+            if cc < BLOCK {
+                db.fill(0.0);
+            }
+            let src = |c: usize, p: usize| dy[(n * g.c_out + c0 + c) * pixels + p];
+            to_block(
+                t,
+                cc,
+                pixels,
+                pixels,
+                db,
+                |c| &dy[(n * g.c_out + c0 + c) * pixels..],
+                src,
+            );
+        }
+    }
+}
+
+/// `len` consecutive positions of `cc` planes (plane `c` starting at `plane_at(c)`, planes
+/// `stride` apart) into 16-channel pixels at `dst`: 8 channels x 8 positions through the
+/// transpose kernel, the ragged rest through `at(c, position)`.
+#[inline(always)]
+fn to_block<'a>(
+    t: Transpose8x8,
+    cc: usize,
+    len: usize,
+    stride: usize,
+    dst: &mut [f32],
+    plane_at: impl Fn(usize) -> &'a [f32],
+    at: impl Fn(usize, usize) -> f32,
+) {
+    let (c8, l8) = (cc / 8 * 8, len / 8 * 8);
+    assert!(dst.len() >= len * BLOCK);
+    for cb in (0..c8).step_by(8) {
+        let src = plane_at(cb);
+        assert!(src.len() >= 7 * stride + l8);
+        for p0 in (0..l8).step_by(8) {
+            // SAFETY: rows cb..cb+8 are `stride` floats apart and hold positions p0..p0+8
+            // (asserted: 7 strides plus the row's length fit `src`); the destination's 8
+            // pixels of 16 floats lie inside `dst` (asserted); the kernel runs on this CPU.
+            unsafe {
+                t(
+                    src[p0..].as_ptr(),
+                    stride,
+                    dst[p0 * BLOCK + cb..].as_mut_ptr(),
+                    BLOCK,
+                )
+            }
+        }
+        for p in l8..len {
+            for c in cb..cb + 8 {
+                dst[p * BLOCK + c] = at(c, p);
+            }
+        }
+    }
+    for c in c8..cc {
+        for p in 0..len {
+            dst[p * BLOCK + c] = at(c, p);
         }
     }
 }
