@@ -446,22 +446,31 @@ fn col2im_nchw_row(g: &Geometry, tap: usize, p0: usize, t: &[f32], plane: &mut [
 /// `cc` channels from `cb`) into the image's input gradient.
 #[inline(always)]
 fn col2im_nhwc_pixel(g: &Geometry, p: usize, cb: usize, cc: usize, t: &[f32], img: &mut [f32]) {
-    let (oy, ox) = (p / g.ow, p % g.ow);
-    for ky in 0..g.kh {
-        let iy = (oy * g.sh + ky * g.dh) as isize - g.pad_top as isize;
-        if iy < 0 || iy as usize >= g.h {
-            continue;
-        }
-        for kx in 0..g.kw {
-            let ix = (ox * g.sw + kx * g.dw) as isize - g.pad_left as isize;
-            if ix < 0 || ix as usize >= g.w {
-                continue;
-            }
-            let src = &t[(ky * g.kw + kx) * cc..][..cc];
-            let dst = &mut img[(iy as usize * g.w + ix as usize) * g.c_in + cb..][..cc];
-            dst.iter_mut().zip(src).for_each(|(d, &s)| *d += s);
-        }
+    for (tap, iy, ix) in taps_inside(g, p / g.ow, p % g.ow) {
+        let src = &t[tap * cc..][..cc];
+        let dst = &mut img[(iy * g.w + ix) * g.c_in + cb..][..cc];
+        dst.iter_mut().zip(src).for_each(|(d, &s)| *d += s);
     }
+}
+
+/// The taps of output pixel (oy, ox) that read inside the input (not padding), as (tap,
+/// input row, input column).
+#[inline(always)]
+pub(crate) fn taps_inside(
+    g: &Geometry,
+    oy: usize,
+    ox: usize,
+) -> impl Iterator<Item = (usize, usize, usize)> + '_ {
+    let rows = (0..g.kh).filter_map(move |ky| {
+        let iy = (oy * g.sh + ky * g.dh) as isize - g.pad_top as isize;
+        (iy >= 0 && (iy as usize) < g.h).then_some((ky, iy as usize))
+    });
+    rows.flat_map(move |(ky, iy)| {
+        (0..g.kw).filter_map(move |kx| {
+            let ix = (ox * g.sw + kx * g.dw) as isize - g.pad_left as isize;
+            (ix >= 0 && (ix as usize) < g.w).then_some((ky * g.kw + kx, iy, ix as usize))
+        })
+    })
 }
 
 /// The backward-weights GEMMs: one per group and tap (no packed weights: both operands come
@@ -677,7 +686,7 @@ isa_dispatch!(fn weight_grad_gemm = weight_grad_gemm_body(
     b_buf: &mut [f32],
 ));
 
-isa_dispatch!(fn weight_grad_gemm_t = weight_grad_gemm_t_body(
+isa_dispatch!(fn weight_grad_gemm_t = weight_grad_gemm_body(
     kern: &GemmKernel,
     plan: &WeightGradPlan,
     m: usize,
@@ -690,29 +699,8 @@ isa_dispatch!(fn weight_grad_gemm_t = weight_grad_gemm_t_body(
     b_buf: &mut [f32],
 ));
 
-/// The transposed backward-weights GEMM as a kernel body for [`isa_dispatch`]: the operands
-/// swap roles (a `Panels` packer serves either side).
-///
-/// # Safety
-/// As [`gemm`].
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-unsafe fn weight_grad_gemm_t_body<const F: bool>(
-    kern: &GemmKernel,
-    plan: &WeightGradPlan,
-    m: usize,
-    n: usize,
-    k: usize,
-    a: &TapRowsB,
-    b: &GradOutA,
-    out: &Output,
-    a_buf: &mut [f32],
-    b_buf: &mut [f32],
-) {
-    gemm(kern, &plan.blk, m, n, k, a, b, out, a_buf, b_buf)
-}
-
-/// The backward-weights GEMM as a kernel body for [`isa_dispatch`].
+/// The backward-weights GEMM (either orientation: a `Panels` packer serves either side) as a
+/// kernel body for [`isa_dispatch`].
 ///
 /// # Safety
 /// As [`gemm`].
@@ -724,8 +712,8 @@ unsafe fn weight_grad_gemm_body<const F: bool>(
     m: usize,
     n: usize,
     k: usize,
-    a: &GradOutA,
-    b: &TapRowsB,
+    a: &impl Panels,
+    b: &impl BlockB,
     out: &Output,
     a_buf: &mut [f32],
     b_buf: &mut [f32],

@@ -14,7 +14,7 @@
 //! Every kernel is compiled for the plan's ISA ([`isa_dispatch`]) and left to the compiler to
 //! vectorise: the loops are contiguous multiply-adds.
 
-use super::backward_gemm::{isa_dispatch, Epilogue};
+use super::backward_gemm::{isa_dispatch, taps_inside, Epilogue};
 use super::{for_each_worker, SendPtr};
 use crate::cpu::generated_layout::Transpose8x8;
 use crate::cpu::Isa;
@@ -605,19 +605,11 @@ impl TapPass<'_> {
             for c in 0..self.owp / LANES {
                 let dc = &d[c * LANES..][..LANES];
                 for q in 0..K {
-                    let x = &phases[offs[q] + c * LANES..][..LANES];
-                    for i in 0..LANES {
-                        lanes[q][i] = madd::<F>(dc[i], x[i], lanes[q][i]);
-                    }
+                    madd_lanes::<F>(&mut lanes[q], dc, &phases[offs[q] + c * LANES..]);
                 }
             }
         }
-        for (q, l) in lanes.iter().enumerate() {
-            acc[q * LANES..][..LANES]
-                .iter_mut()
-                .zip(l)
-                .for_each(|(a, &v)| *a += v);
-        }
+        add_chains(acc, &lanes);
     }
 }
 
@@ -644,27 +636,17 @@ fn weights_nhwc<const F: bool>(
         for oy in 0..g.oh {
             for ox in 0..g.ow {
                 let d = &dy[((n * g.oh + oy) * g.ow + ox) * g.c_out + oc0..][..cc];
-                for ky in 0..g.kh {
-                    let iy = (oy * g.sh + ky * g.dh) as isize - g.pad_top as isize;
-                    if iy < 0 || iy as usize >= g.h {
-                        continue;
-                    }
-                    for kx in 0..g.kw {
-                        let ix = (ox * g.sw + kx * g.dw) as isize - g.pad_left as isize;
-                        if ix < 0 || ix as usize >= g.w {
-                            continue;
-                        }
-                        let px = ((n * g.h + iy as usize) * g.w + ix as usize) * g.c_in;
-                        let acc = &mut sums[(ky * g.kw + kx) * NHWC_CHANNELS..][..cc];
-                        if m == 1 {
-                            let xs = &x[px + oc0..][..cc];
-                            acc.iter_mut()
-                                .zip(d.iter().zip(xs))
-                                .for_each(|(a, (&dv, &xv))| *a = madd::<F>(dv, xv, *a));
-                        } else {
-                            for (i, a) in acc.iter_mut().enumerate() {
-                                *a = madd::<F>(d[i], x[px + (oc0 + i) / m], *a);
-                            }
+                for (tap, iy, ix) in taps_inside(g, oy, ox) {
+                    let px = ((n * g.h + iy) * g.w + ix) * g.c_in;
+                    let acc = &mut sums[tap * NHWC_CHANNELS..][..cc];
+                    if m == 1 {
+                        let xs = &x[px + oc0..][..cc];
+                        acc.iter_mut()
+                            .zip(d.iter().zip(xs))
+                            .for_each(|(a, (&dv, &xv))| *a = madd::<F>(dv, xv, *a));
+                    } else {
+                        for (i, a) in acc.iter_mut().enumerate() {
+                            *a = madd::<F>(d[i], x[px + (oc0 + i) / m], *a);
                         }
                     }
                 }
@@ -680,8 +662,8 @@ fn weights_nhwc<const F: bool>(
     }
 }
 
-/// Channels a blocked backward-weights item takes (one AVX-512 vector, two AVX2 ones).
-const BLOCK: usize = 16;
+/// Channels a blocked backward-weights item takes: a vector's worth of lanes.
+const BLOCK: usize = LANES;
 /// The most floats of scratch a blocked item may take (16 MiB); larger images run the row
 /// kernels.
 const BLOCKED_MAX: usize = 4 << 20;
@@ -759,6 +741,26 @@ fn weights_blocked<const F: bool>(
     }
 }
 
+/// `l[i] += d[i]·x[i]` over one vector's worth of lanes.
+#[inline(always)]
+fn madd_lanes<const F: bool>(l: &mut [f32; LANES], d: &[f32], x: &[f32]) {
+    let (d, x) = (&d[..LANES], &x[..LANES]);
+    for i in 0..LANES {
+        l[i] = madd::<F>(d[i], x[i], l[i]);
+    }
+}
+
+/// Adds chain `q`'s lanes into `acc[q·LANES..]`.
+#[inline(always)]
+fn add_chains<const K: usize>(acc: &mut [f32], lanes: &[[f32; LANES]; K]) {
+    for (q, l) in lanes.iter().enumerate() {
+        acc[q * LANES..][..LANES]
+            .iter_mut()
+            .zip(l)
+            .for_each(|(a, &v)| *a += v);
+    }
+}
+
 /// One pass of [`weights_blocked`] over the taps `t0..t0 + K` (row-major over (ky, kx)).
 struct BlockPass<'a> {
     g: &'a Geometry,
@@ -780,26 +782,18 @@ impl BlockPass<'_> {
             *o = (ky * g.dh * wp + kx * g.dw) * BLOCK;
         }
         let reach = offs[K - 1] + BLOCK;
-        let mut lanes = [[0.0f32; BLOCK]; K];
+        let mut lanes = [[0.0f32; LANES]; K];
         for oy in 0..g.oh {
             for ox in 0..g.ow {
                 let d = &self.db[(oy * g.ow + ox) * BLOCK..][..BLOCK];
                 let base = (oy * g.sh * wp + ox * g.sw) * BLOCK;
                 let xs = &self.xb[base..][..reach];
                 for q in 0..K {
-                    let x = &xs[offs[q]..][..BLOCK];
-                    for i in 0..BLOCK {
-                        lanes[q][i] = madd::<F>(d[i], x[i], lanes[q][i]);
-                    }
+                    madd_lanes::<F>(&mut lanes[q], d, &xs[offs[q]..]);
                 }
             }
         }
-        for (q, l) in lanes.iter().enumerate() {
-            acc[q * BLOCK..][..BLOCK]
-                .iter_mut()
-                .zip(l)
-                .for_each(|(a, &v)| *a += v);
-        }
+        add_chains(acc, &lanes);
     }
 }
 
