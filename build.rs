@@ -1,5 +1,5 @@
 //! Runs the kernel generator and writes its output into OUT_DIR, where `src/cpu/` includes it.
-//! The cargo features `avx2`, `avx512`, `neon` and `int8` choose what it emits.
+//! The cargo features `avx2`, `avx512`, `neon`, `int8` and `f16` choose what it emits.
 
 fn main() {
     let out = std::path::PathBuf::from(std::env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));
@@ -16,6 +16,7 @@ fn main() {
     let selection = codegen::Selection {
         isas,
         int8: feature("INT8"),
+        half: feature("F16"),
     };
     for g in codegen::generate_selected(&selection) {
         std::fs::write(out.join(g.file), g.source).expect("write generated kernels to OUT_DIR");

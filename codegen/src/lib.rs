@@ -335,6 +335,8 @@ pub struct Selection {
     pub isas: Vec<Isa>,
     /// Emit the int8 GEMM and depthwise kernels.
     pub int8: bool,
+    /// Emit the 16-bit (f16, bf16) depthwise kernels.
+    pub half: bool,
 }
 
 impl Selection {
@@ -343,6 +345,7 @@ impl Selection {
         Selection {
             isas: Isa::ALL.to_vec(),
             int8: true,
+            half: true,
         }
     }
 
@@ -365,7 +368,8 @@ pub fn generate_selected(sel: &Selection) -> Vec<Generated> {
         .copied()
         .filter(|s| sel.has(s.isa))
         .collect();
-    let dw: Vec<DwSpec> = [dw_f32(), dw_half()]
+    let half = if sel.half { dw_half() } else { Vec::new() };
+    let dw: Vec<DwSpec> = [dw_f32(), half]
         .concat()
         .into_iter()
         .filter(|s| sel.has(s.isa))
