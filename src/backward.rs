@@ -757,16 +757,21 @@ fn transpose_pads(p: &ConvParams, op: [usize; 2], i: usize, input: usize) -> Res
         Padding::Valid => [0, 0],
         Padding::Same | Padding::SameLower => {
             let span = (p.kernel[i] - 1) * p.dilation[i] + 1;
-            let full = (input - 1) * p.stride[i] + op[i] + span;
-            let total =
-                full.checked_sub(input * p.stride[i])
-                    .ok_or_else(|| Error::InvalidParameter {
-                        what: "padding",
-                        detail: format!(
-                            "auto padding cannot make the output {} (stride x input) from {full}",
-                            input * p.stride[i]
-                        ),
-                    })?;
+            let overflow = Error::Overflow {
+                what: "output size",
+            };
+            let target = input.checked_mul(p.stride[i]).ok_or(overflow.clone())?;
+            let full = (target - p.stride[i])
+                .checked_add(op[i] + span)
+                .ok_or(overflow)?;
+            let total = full
+                .checked_sub(target)
+                .ok_or_else(|| Error::InvalidParameter {
+                    what: "padding",
+                    detail: format!(
+                        "auto padding cannot make the output {target} (stride x input) from {full}"
+                    ),
+                })?;
             let (small, large) = (total / 2, total - total / 2);
             if p.padding == Padding::Same {
                 [small, large]

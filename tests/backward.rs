@@ -206,7 +206,6 @@ fn backward_on_layer_shapes() {
         (64, 64, 3, 1, 1, 8, 10),
         (3, 16, 7, 2, 3, 1, 23),
     ];
-    let mut ws = Workspace::new();
     for (i, &(ci, co, k, s, pad, groups, h)) in shapes.iter().enumerate() {
         for layout in [Layout::Nchw, Layout::Nhwc] {
             let case = Case {
@@ -226,7 +225,6 @@ fn backward_on_layer_shapes() {
             check_transposed(&case, [s - 1, 0]).unwrap();
         }
     }
-    drop(ws.reserve(0));
 }
 
 /// `Σ r · conv(x, w, b)` from the forward reference (f64 accumulation).
@@ -431,6 +429,14 @@ fn bad_input_is_an_error() {
     ));
     assert!(matches!(
         conv.plan(1, usize::MAX / 2, 4),
+        Err(Error::Overflow { .. })
+    ));
+    // ONNX auto padding (output = input x stride), and an input whose output overflows.
+    let same = t.with_padding(Padding::Same);
+    let same = ConvTranspose2d::new(same, [1, 1], &w, None, Options::default()).unwrap();
+    assert_eq!(same.plan(1, 5, 6).unwrap().output_shape(), [1, 4, 10, 12]);
+    assert!(matches!(
+        same.plan(1, usize::MAX / 2 + 1, 4),
         Err(Error::Overflow { .. })
     ));
 }

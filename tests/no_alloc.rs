@@ -1,7 +1,10 @@
 //! `run` allocates nothing once the workspace is large enough: a counting global allocator
 //! watches every allocation the test's thread makes while it runs.
 
-use convkit::{Activation, Conv2d, ConvParams, Layout, Options, Padding, Workspace};
+use convkit::{
+    Accumulate, Activation, Conv2d, ConvBackward, ConvParams, ConvTranspose2d, Layout, Options,
+    Padding, Workspace,
+};
 use std::alloc::{GlobalAlloc, Layout as AllocLayout, System};
 use std::cell::Cell;
 
@@ -130,6 +133,74 @@ fn run_does_not_allocate() {
         });
         assert_eq!(n, 0, "{} allocated {n} times", plan.kernel_name());
         assert!(output.iter().all(|v| v.is_finite()));
+    }
+}
+
+/// The backward passes and transposed convolution allocate nothing either, on every path:
+/// the stride-1 forward convolution (with accumulation through the workspace), col2im, the
+/// depthwise kernels, the tap GEMMs, the per-channel and the blocked weight kernels.
+#[test]
+fn backward_passes_do_not_allocate() {
+    let layers = [
+        ConvParams::conv2d(24, 32, [3, 3]).with_padding(Padding::Same),
+        ConvParams::conv2d(24, 32, [3, 3])
+            .with_stride([2, 2])
+            .with_padding(Padding::uniform(1))
+            .with_layout(Layout::Nhwc),
+        ConvParams::conv2d(32, 32, [3, 3])
+            .with_groups(32)
+            .with_stride([2, 2])
+            .with_padding(Padding::uniform(1)),
+        ConvParams::conv2d(16, 32, [3, 3]).with_groups(16),
+        ConvParams::conv2d(32, 32, [3, 3]).with_groups(8),
+    ];
+    let mut ws = Workspace::new();
+    for params in layers {
+        let weights = vec![0.1; params.weights_len().unwrap()];
+        let plan = ConvBackward::new(params, &weights, Options::threads(1))
+            .unwrap()
+            .plan(2, 20, 20)
+            .unwrap();
+        let (x, dy) = (vec![1.0; plan.input_len()], vec![0.5; plan.output_len()]);
+        let (mut dx, mut dw) = (vec![0.0; plan.input_len()], vec![0.0; weights.len()]);
+        let mut db = vec![0.0; params.out_channels];
+        ws.reserve(plan.workspace_bytes()).unwrap();
+        let n = count(|| {
+            for acc in [Accumulate::Overwrite, Accumulate::Add] {
+                plan.backward_data(&dy, &mut dx, acc, &mut ws).unwrap();
+                plan.backward_weights(&x, &dy, &mut dw, Some(&mut db), acc, &mut ws)
+                    .unwrap();
+            }
+        });
+        assert_eq!(n, 0, "{} allocated {n} times", plan.kernel_name());
+        assert!(dx.iter().chain(&dw).all(|v| v.is_finite()));
+
+        // The same layer's transposed convolution, with its epilogue.
+        let t = ConvParams {
+            in_channels: params.out_channels,
+            out_channels: params.in_channels,
+            activation: Activation::Silu,
+            ..params
+        };
+        let bias = vec![0.2; t.out_channels];
+        let plan = ConvTranspose2d::new(t, [0, 0], &weights, Some(&bias), Options::threads(1))
+            .unwrap()
+            .plan(2, 10, 10)
+            .unwrap();
+        let (x, residual) = (vec![1.0; plan.input_len()], vec![0.5; plan.output_len()]);
+        let mut y = vec![0.0; plan.output_len()];
+        ws.reserve(plan.workspace_bytes()).unwrap();
+        let n = count(|| {
+            plan.run(&x, &mut y, &mut ws).unwrap();
+            plan.run_with_residual(&x, &residual, &mut y, &mut ws)
+                .unwrap();
+        });
+        assert_eq!(
+            n,
+            0,
+            "transposed {} allocated {n} times",
+            plan.kernel_name()
+        );
     }
 }
 

@@ -1,0 +1,31 @@
+#!/usr/bin/env python3
+# Interleaved medians of `convkit bench` configurations, as ratios to the first.
+# `compare.py passes N`: forward vs backward-data vs backward-weights; `compare.py half N`:
+# f32 vs f16 vs bf16. N rounds; run from the repository root after `cargo build --release`.
+import subprocess, csv, io, statistics, sys, json
+import os
+BIN=os.environ.get("CONVKIT", "target/release/convkit")
+dense="resnet50_l1_3x3,resnet50_l2_3x3,resnet50_l3_3x3,resnet50_l4_3x3,yolo_3x3s2_160,deeplab_aspp_3x3d2,resnet50_l1_1x1_reduce,resnet50_l1_1x1_expand,resnet50_l3_1x1_reduce,resnet50_l2_downsample_1x1s2,mobilenetv2_pw_expand,mobilenetv2_pw_project"
+dw="mobilenetv2_dw3x3_112,mobilenetv2_dw3x3s2_112,mobilenetv2_dw3x3_28,mobilenetv2_dw3x3_7,convnext_t_dw7x7_56,convnext_t_dw7x7_28,convnext_t_dw7x7_14,convnext_t_dw7x7_7,efficientnet_dw5x5_28"
+mode=sys.argv[1]
+rounds=int(sys.argv[2]) if len(sys.argv)>2 else 3
+if mode=="passes":
+    configs=[("forward",[]),("backward-data",["--pass","backward-data"]),("backward-weights",["--pass","backward-weights"])]
+    only=dense+","+dw
+else:
+    configs=[("f32",[]),("f16",["--dtype","f16"]),("bf16",["--dtype","bf16"])]
+    only=dw+",resnet50_l1_3x3,resnet50_l2_3x3,resnet50_l1_1x1_expand,resnet50_l3_1x1_reduce,yolo_3x3s2_160"
+res={}
+for r in range(rounds):
+    for name,extra in configs:
+        out=subprocess.run([BIN,"bench","--csv","--reps","5","--threads","1","--peak","100","--only",only]+extra,capture_output=True,text=True).stdout
+        for row in csv.DictReader(io.StringIO(out)):
+            if row["ok"]!="ok": print("FAIL",name,row["layer"],file=sys.stderr); continue
+            res.setdefault((row["layer"],name),[]).append(float(row["gflops"]))
+json.dump({f"{k[0]}|{k[1]}":v for k,v in res.items()},open(f"/tmp/compare_{mode}.json","w"))
+layers=[l for l in only.split(",")]
+base=configs[0][0]
+print("layer," + ",".join(f"{n}_gflops" for n,_ in configs) + "," + ",".join(f"{n}/{base}" for n,_ in configs[1:]))
+for l in layers:
+    med={n:statistics.median(res.get((l,n),[float('nan')])) for n,_ in configs}
+    print(l+","+",".join(f"{med[n]:.1f}" for n,_ in configs)+","+",".join(f"{med[n]/med[base]:.2f}" for n,_ in configs[1:]))
