@@ -16,6 +16,7 @@ use crate::algo::backward_gemm::{
     self, Col2imData, Col2imPlan, Epilogue, WeightGrad, WeightGradPlan,
 };
 use crate::algo::depthwise_backward::{DwBackward, DwBackwardPlan};
+use crate::algo::winograd_backward::{WinoWeightGrad, WinoWeightPlan};
 use crate::params::Geometry;
 use crate::{
     Activation, Conv2d, ConvParams, Error, Isa, Layout, Options, Padding, Plan, Result, Workspace,
@@ -306,7 +307,8 @@ struct BackwardInner {
 }
 
 enum WeightPath {
-    Gemm(WeightGrad),
+    /// The tap GEMMs, and Winograd F(3, m) where it applies (3x3 stride 1) and its plan fits.
+    Gemm(WeightGrad, Option<WinoWeightGrad>),
     /// The depthwise kernels, with the backward-data pass's `DwBackward`.
     Depthwise,
     /// The NCHW per-channel kernel for groups of few channels (ResNeXt's 4 a group), where a
@@ -365,7 +367,10 @@ impl ConvBackward {
             {
                 WeightPath::Direct(DwBackward::new(&params, weights, isa))
             }
-            Some(_) => WeightPath::Gemm(WeightGrad::new(isa)),
+            Some(_) => WeightPath::Gemm(
+                WeightGrad::new(isa),
+                WinoWeightGrad::new(&params, isa, options.precision),
+            ),
         };
         Ok(ConvBackward {
             inner: Arc::new(BackwardInner {
@@ -388,7 +393,13 @@ impl ConvBackward {
         let geometry = inner.params.geometry(batch, in_h, in_w)?;
         let data = inner.data.plan(&geometry)?;
         let weights = match &inner.weights {
-            WeightPath::Gemm(w) => WeightPlan::Gemm(w.plan(&geometry, workers(inner.threads))),
+            WeightPath::Gemm(w, wino) => {
+                let threads = workers(inner.threads);
+                match wino.as_ref().and_then(|wg| wg.plan(&geometry, threads)) {
+                    Some(p) => WeightPlan::Winograd(p),
+                    None => WeightPlan::Gemm(w.plan(&geometry, threads)),
+                }
+            }
             WeightPath::Direct(d) => {
                 WeightPlan::Depthwise(d.plan(&geometry, workers(inner.threads)))
             }
@@ -409,6 +420,7 @@ impl ConvBackward {
 #[derive(Clone)]
 enum WeightPlan {
     Gemm(WeightGradPlan),
+    Winograd(WinoWeightPlan),
     Depthwise(DwBackwardPlan),
 }
 
@@ -444,14 +456,25 @@ impl BackwardPlan {
     }
 
     /// How many times a plain sum of products' rounding error `backward_data` may carry (see
-    /// [`Plan::error_factor`]); `backward_weights` always sums plainly.
+    /// [`Plan::error_factor`]).
     pub fn error_factor(&self) -> f64 {
         DataPass::error_factor(&self.data)
+    }
+
+    /// The same for `backward_weights`: 1 where it sums plainly, more where it runs Winograd
+    /// (as [`Plan::error_factor`] for the tile size; [`Precision::Exact`](crate::Precision)
+    /// in the options never does).
+    pub fn weights_error_factor(&self) -> f64 {
+        match &self.weights {
+            WeightPlan::Winograd(p) => p.error_factor(),
+            _ => 1.0,
+        }
     }
 
     fn weights_floats(&self) -> usize {
         match &self.weights {
             WeightPlan::Gemm(p) => p.workspace_floats(&self.geometry),
+            WeightPlan::Winograd(p) => p.workspace_floats(),
             WeightPlan::Depthwise(p) => p.workspace_floats(),
         }
     }
@@ -460,10 +483,11 @@ impl BackwardPlan {
     /// tap_gemm/gemm_f32_6x16_avx2`.
     pub fn kernel_name(&self) -> String {
         let inner = &self.inner;
-        let weights = match &inner.weights {
-            WeightPath::Gemm(w) => format!("tap_gemm/{}", w.kernel_name()),
-            WeightPath::Direct(d) => d.kernel_name(),
-            WeightPath::Depthwise => inner
+        let weights = match (&inner.weights, &self.weights) {
+            (WeightPath::Gemm(_, Some(wg)), WeightPlan::Winograd(p)) => p.kernel_name(wg.gemm()),
+            (WeightPath::Gemm(w, _), _) => format!("tap_gemm/{}", w.kernel_name()),
+            (WeightPath::Direct(d), _) => d.kernel_name(),
+            (WeightPath::Depthwise, _) => inner
                 .data
                 .depthwise
                 .as_ref()
@@ -531,8 +555,11 @@ impl BackwardPlan {
             (WeightPath::Direct(d), WeightPlan::Depthwise(p)) => {
                 d.run_weights(p, g, input, grad_output, grad_weights, add, scratch)
             }
-            (WeightPath::Gemm(w), WeightPlan::Gemm(p)) => {
+            (WeightPath::Gemm(w, _), WeightPlan::Gemm(p)) => {
                 w.run(p, g, input, grad_output, grad_weights, add, scratch)
+            }
+            (WeightPath::Gemm(_, Some(wg)), WeightPlan::Winograd(p)) => {
+                wg.run(p, g, input, grad_output, grad_weights, add, scratch)
             }
             (WeightPath::Depthwise, WeightPlan::Depthwise(p)) => match &self.inner.data.depthwise {
                 Some(d) => d.run_weights(p, g, input, grad_output, grad_weights, add, scratch),

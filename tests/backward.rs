@@ -77,6 +77,7 @@ fn check_backward(case: &Case) -> Result<(), TestCaseError> {
             let plan = conv.plan(case.batch, case.h, case.w).unwrap();
             let name = format!("{isa} {threads}t {}", plan.kernel_name());
             let factor = plan.error_factor();
+            let wfactor = plan.weights_error_factor();
 
             let mut dx = vec![f32::NAN; g.input_len()];
             plan.backward_data(&dy, &mut dx, Accumulate::Overwrite, &mut ws)
@@ -100,7 +101,7 @@ fn check_backward(case: &Case) -> Result<(), TestCaseError> {
                 &mut ws,
             )
             .unwrap();
-            assert_close(&format!("weights {name}"), &dw_ref, &dw, 1.0)?;
+            assert_close(&format!("weights {name}"), &dw_ref, &dw, wfactor)?;
             assert_close(&format!("bias {name}"), &db_ref, &db, 1.0)?;
             let (mut dw, mut db) = (dw0.clone(), db0.clone());
             plan.backward_weights(&x, &dy, &mut dw, Some(&mut db), Accumulate::Add, &mut ws)
@@ -109,7 +110,7 @@ fn check_backward(case: &Case) -> Result<(), TestCaseError> {
                 &format!("weights += {name}"),
                 &plus(&dw_ref, &dw0),
                 &dw,
-                1.0,
+                wfactor,
             )?;
             assert_close(&format!("bias += {name}"), &plus(&db_ref, &db0), &db, 1.0)?;
         }
@@ -205,6 +206,10 @@ fn backward_on_layer_shapes() {
         (40, 40, 7, 1, 3, 40, 10),
         (64, 64, 3, 1, 1, 8, 10),
         (3, 16, 7, 2, 3, 1, 23),
+        // Winograd weight gradients: F(4,3) with ragged tiles, F(2,3) unpadded, grouped.
+        (20, 36, 3, 1, 1, 1, 23),
+        (16, 24, 3, 1, 0, 1, 17),
+        (32, 40, 3, 1, 1, 2, 13),
     ];
     for (i, &(ci, co, k, s, pad, groups, h)) in shapes.iter().enumerate() {
         for layout in [Layout::Nchw, Layout::Nhwc] {
@@ -225,6 +230,17 @@ fn backward_on_layer_shapes() {
             check_transposed(&case, [s - 1, 0]).unwrap();
         }
     }
+    // A 1-D 3-tap layer long enough for Winograd weight gradients.
+    let case = Case {
+        params: ConvParams::conv2d(24, 16, [1, 3]).with_padding(Padding::symmetric(0, 1)),
+        batch: 2,
+        h: 1,
+        w: 77,
+        bias: true,
+        residual: false,
+        seed: 99,
+    };
+    check_backward(&case).unwrap();
 }
 
 /// `Σ r · conv(x, w, b)` from the forward reference (f64 accumulation).

@@ -444,7 +444,8 @@ fn emit_kernels(v: &Simd, spec: &WinoSpec, mats: &Matrices, dims: usize) -> Toke
 }
 
 /// Every tile size of `specs`, 2-D and 1-D, for every ISA of `isas`; the registry
-/// `WINO_F32_KERNELS` and the filter transforms `WINO_G` (applied at create time, in f64).
+/// `WINO_F32_KERNELS`, the filter transforms `WINO_G` (applied at create time, in f64) and the
+/// output transforms `WINO_AT`.
 pub fn emit_all(specs: &[WinoSpec], isas: &[Isa]) -> TokenStream {
     let mats: Vec<Matrices> = specs.iter().map(cook_toom).collect();
     let mut modules = TokenStream::new();
@@ -497,6 +498,14 @@ pub fn emit_all(specs: &[WinoSpec], isas: &[Isa]) -> TokenStream {
             .join(", ");
         quote!((#ml, #points, &[#(#rows),*]))
     });
+    let ats = specs.iter().zip(&mats).map(|(spec, mats)| {
+        let ml = lit(spec.m);
+        let rows = mats.at.iter().map(|r| {
+            let vals = r.iter().map(|&q| Literal::f64_unsuffixed(to_f64(q)));
+            quote!(&[#(#vals),*])
+        });
+        quote!((#ml, &[#(#rows),*]))
+    });
     quote! {
         use crate::algo::winograd::WinoKernel;
         #modules
@@ -506,6 +515,10 @@ pub fn emit_all(specs: &[WinoSpec], isas: &[Isa]) -> TokenStream {
 
         /// Per tile size `m`: the interpolation points and the filter transform `G` (t x 3).
         pub static WINO_G: &[(usize, &str, &[[f64; 3]])] = &[#(#gs),*];
+
+        /// Per tile size `m`: the output transform `At` (m x t), which the weight gradient's
+        /// F(3, m) uses on the output gradient.
+        pub static WINO_AT: &[(usize, &[&[f64]])] = &[#(#ats),*];
     }
 }
 

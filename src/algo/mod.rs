@@ -13,6 +13,7 @@ pub mod qgemm;
 #[cfg(feature = "int8")]
 mod transpose_u8;
 pub mod winograd;
+pub(crate) mod winograd_backward;
 
 /// The algorithms convkit can run a convolution with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -53,15 +53,15 @@ pub struct WinoKernel {
 
 impl WinoKernel {
     /// Input pixels a tile, per side.
-    fn t(&self) -> usize {
+    pub(crate) fn t(&self) -> usize {
         self.m + 2
     }
     /// Positions of a transformed tile (`t²` or `t`): GEMMs per item.
-    fn xis(&self) -> usize {
+    pub(crate) fn xis(&self) -> usize {
         self.t().pow(self.dims as u32)
     }
     /// Input rows of a tile.
-    fn rows_in(&self) -> usize {
+    pub(crate) fn rows_in(&self) -> usize {
         if self.dims == 2 {
             self.t()
         } else {
@@ -69,7 +69,7 @@ impl WinoKernel {
         }
     }
     /// Output rows of a tile.
-    fn rows_out(&self) -> usize {
+    pub(crate) fn rows_out(&self) -> usize {
         if self.dims == 2 {
             self.m
         } else {
@@ -433,7 +433,7 @@ impl Winograd {
         // 1. Input transforms, a block of `lanes` input channels at a time.
         for c0 in (0..cin_g).step_by(lanes) {
             let cb = lanes.min(cin_g - c0);
-            for run in runs(it.p0, it.p1, plan) {
+            for run in runs(it.p0, it.p1, (plan.tiles_y, plan.tiles_x)) {
                 let y0 = (run.ty * k.rows_out()) as isize - g.pad_top as isize;
                 let x0 = (run.tx0 * m) as isize - g.pad_left as isize;
                 let cols = run.len * m + 2;
@@ -511,7 +511,7 @@ impl Winograd {
         for co in (0..self.cout_g).step_by(lanes) {
             let cb = lanes.min(self.cout_g - co);
             let bias = self.bias[it.grp * cout_pad + co..].as_ptr();
-            for run in runs(it.p0, it.p1, plan) {
+            for run in runs(it.p0, it.p1, (plan.tiles_y, plan.tiles_x)) {
                 for i in 0..run.len {
                     let p = run.p - it.p0 + i;
                     // SAFETY: M holds xis x chunk_pad rows of cout_pad floats, and co + lanes
@@ -547,57 +547,15 @@ impl Winograd {
         cols: usize,
         rin: &mut [f32],
     ) {
-        let lanes = self.kern.lanes;
-        let rows = self.kern.rows_in();
-        let rin = &mut rin[..rows * cols * lanes];
-        let xa = (-x0).clamp(0, cols as isize) as usize;
-        let xb = (g.w as isize - x0).clamp(xa as isize, cols as isize) as usize;
-        let cfirst = grp * self.cin_g + c0;
-        for r in 0..rows {
-            let y = y0 + r as isize;
-            let row = &mut rin[r * cols * lanes..][..cols * lanes];
-            if y < 0 || y >= g.h as isize || xa == xb {
-                row.fill(0.0);
-                continue;
-            }
-            row[..xa * lanes].fill(0.0);
-            row[xb * lanes..].fill(0.0);
-            let (y, xs) = (y as usize, (x0 + xa as isize) as usize);
-            match self.layout {
-                Layout::Nchw => {
-                    let hw = g.h * g.w;
-                    let plane0 = (n * g.c_in + cfirst) * hw + y * g.w + xs;
-                    let n = xb - xa;
-                    let (c8, n8) = (cb / 8 * 8, n / 8 * 8);
-                    for c in (0..c8).step_by(8) {
-                        for x in (0..n8).step_by(8) {
-                            let src = &input[plane0 + c * hw + x..][..7 * hw + 8];
-                            let dst = &mut row[(xa + x) * lanes + c..][..7 * lanes + 8];
-                            // SAFETY: 8 rows of 8 floats, `hw` apart in `src` and `lanes`
-                            // apart in `dst`, lie in the two slices (their lengths); the
-                            // transpose's ISA is this CPU's.
-                            unsafe { (self.transpose)(src.as_ptr(), hw, dst.as_mut_ptr(), lanes) };
-                        }
-                    }
-                    for x in 0..n {
-                        let px = &mut row[(xa + x) * lanes..][..lanes];
-                        let chans = if x < n8 { c8..cb } else { 0..cb };
-                        for c in chans {
-                            px[c] = input[plane0 + c * hw + x];
-                        }
-                        px[cb..].fill(0.0);
-                    }
-                }
-                Layout::Nhwc => {
-                    let first = ((n * g.h + y) * g.w + xs) * g.c_in + cfirst;
-                    for x in 0..xb - xa {
-                        let px = &mut row[(xa + x) * lanes..][..lanes];
-                        px[..cb].copy_from_slice(&input[first + x * g.c_in..][..cb]);
-                        px[cb..].fill(0.0);
-                    }
-                }
-            }
-        }
+        let planes = Planes {
+            layout: self.layout,
+            channels: g.c_in,
+            h: g.h,
+            w: g.w,
+        };
+        let first = (n, grp * self.cin_g + c0, cb);
+        let region = (y0, x0, self.kern.rows_in(), cols, self.kern.lanes);
+        load_region(&planes, self.transpose, input, first, region, rin);
     }
 
     /// `src` (`mr` tiles of `lanes` channels) into `dst` (`cb` channels of `mr` tiles), 8
@@ -723,6 +681,75 @@ impl Winograd {
     }
 }
 
+/// The tensor a region is read from: its layout and the sizes of one image.
+pub(crate) struct Planes {
+    pub layout: Layout,
+    pub channels: usize,
+    pub h: usize,
+    pub w: usize,
+}
+
+/// Channels `c0..c0+cb` of image `n` of `t`, rows `y0..y0+rows` and columns `x0..x0+cols`
+/// (zero outside the image, and in the channels past `cb`), into `rin` as
+/// `[row][col][lanes]`.
+pub(crate) fn load_region(
+    t: &Planes,
+    transpose: cpu::Transpose8x8,
+    input: &[f32],
+    (n, cfirst, cb): (usize, usize, usize),
+    (y0, x0, rows, cols, lanes): (isize, isize, usize, usize, usize),
+    rin: &mut [f32],
+) {
+    let rin = &mut rin[..rows * cols * lanes];
+    let xa = (-x0).clamp(0, cols as isize) as usize;
+    let xb = (t.w as isize - x0).clamp(xa as isize, cols as isize) as usize;
+    for r in 0..rows {
+        let y = y0 + r as isize;
+        let row = &mut rin[r * cols * lanes..][..cols * lanes];
+        if y < 0 || y >= t.h as isize || xa == xb {
+            row.fill(0.0);
+            continue;
+        }
+        row[..xa * lanes].fill(0.0);
+        row[xb * lanes..].fill(0.0);
+        let (y, xs) = (y as usize, (x0 + xa as isize) as usize);
+        match t.layout {
+            Layout::Nchw => {
+                let hw = t.h * t.w;
+                let plane0 = (n * t.channels + cfirst) * hw + y * t.w + xs;
+                let n = xb - xa;
+                let (c8, n8) = (cb / 8 * 8, n / 8 * 8);
+                for c in (0..c8).step_by(8) {
+                    for x in (0..n8).step_by(8) {
+                        let src = &input[plane0 + c * hw + x..][..7 * hw + 8];
+                        let dst = &mut row[(xa + x) * lanes + c..][..7 * lanes + 8];
+                        // SAFETY: 8 rows of 8 floats, `hw` apart in `src` and `lanes` apart in
+                        // `dst`, lie in the two slices (their lengths); the transpose's ISA is
+                        // this CPU's.
+                        unsafe { transpose(src.as_ptr(), hw, dst.as_mut_ptr(), lanes) };
+                    }
+                }
+                for x in 0..n {
+                    let px = &mut row[(xa + x) * lanes..][..lanes];
+                    let chans = if x < n8 { c8..cb } else { 0..cb };
+                    for c in chans {
+                        px[c] = input[plane0 + c * hw + x];
+                    }
+                    px[cb..].fill(0.0);
+                }
+            }
+            Layout::Nhwc => {
+                let first = ((n * t.h + y) * t.w + xs) * t.channels + cfirst;
+                for x in 0..xb - xa {
+                    let px = &mut row[(xa + x) * lanes..][..lanes];
+                    px[..cb].copy_from_slice(&input[first + x * t.channels..][..cb]);
+                    px[cb..].fill(0.0);
+                }
+            }
+        }
+    }
+}
+
 /// The tiles of one work item: group `grp`, tiles `p0..p1` in row-major order over the
 /// batch's images.
 struct Item {
@@ -733,17 +760,21 @@ struct Item {
 
 /// Tiles `p..p+len` of an item that lie in one tile row: image `n`, row `ty`, columns
 /// `tx0..tx0+len`.
-struct Run {
-    p: usize,
-    n: usize,
-    ty: usize,
-    tx0: usize,
-    len: usize,
+pub(crate) struct Run {
+    pub p: usize,
+    pub n: usize,
+    pub ty: usize,
+    pub tx0: usize,
+    pub len: usize,
 }
 
-/// The runs of tiles `p0..p1` (row-major over the plan's rows of tiles, image after image).
-fn runs(p0: usize, p1: usize, plan: &WinoPlan) -> impl Iterator<Item = Run> {
-    let (tiles_x, tiles_y) = (plan.tiles_x, plan.tiles_y);
+/// The runs of tiles `p0..p1` (row-major over rows of `tiles_x` tiles, `tiles_y` rows an
+/// image, image after image).
+pub(crate) fn runs(
+    p0: usize,
+    p1: usize,
+    (tiles_y, tiles_x): (usize, usize),
+) -> impl Iterator<Item = Run> {
     let mut p = p0;
     std::iter::from_fn(move || {
         (p < p1).then(|| {

@@ -41,6 +41,15 @@ pub(crate) fn wino_g(m: usize) -> &'static [[f64; 3]] {
         .expect("every tile size of the Winograd registry has its G")
 }
 
+/// The output transform `At` (m x t) of F(m, 3).
+pub(crate) fn wino_at(m: usize) -> &'static [&'static [f64]] {
+    generated_wino::WINO_AT
+        .iter()
+        .find(|a| a.0 == m)
+        .map(|a| a.1)
+        .expect("every tile size of the Winograd registry has its At")
+}
+
 /// The best 8x8 transpose kernel `isa` can run.
 pub(crate) fn transpose_8x8(isa: Isa) -> generated_layout::Transpose8x8 {
     generated_layout::TRANSPOSE_8X8

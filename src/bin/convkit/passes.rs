@@ -114,7 +114,7 @@ pub fn bench_layer(
                 call(&mut dw, &mut ws)?;
                 let (want, _) =
                     reference::backward_weights(&params, g.batch, g.h, g.w, &p.input, &dy)?;
-                let cmp = want.compare(&dw);
+                let cmp = want.compare_scaled(&dw, plan.weights_error_factor());
                 let t = time_median(reps, || call(&mut dw, &mut ws))?;
                 (plan.kernel_name(), plan.flops(), cmp, t)
             }
