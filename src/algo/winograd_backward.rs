@@ -640,10 +640,27 @@ fn collapse_by<const FMA: bool, const T: usize, const L: usize>(
         }
         3
     };
-    for i in 0..L {
-        for (tap, r) in res.iter().take(taps).enumerate() {
-            let d = &mut dw[(c + i) * taps + tap];
-            *d = if add { *d + r[i] } else { r[i] };
+    // OIHW: channel c+i's taps are contiguous. Constant trip counts, `add` hoisted: the
+    // compiler unrolls this transpose into plain moves.
+    let dst = &mut dw[c * taps..][..L * taps];
+    match (taps, add) {
+        (9, false) => store_taps::<L, 9, false>(&res, dst),
+        (9, true) => store_taps::<L, 9, true>(&res, dst),
+        (_, false) => store_taps::<L, 3, false>(&res, dst),
+        (_, true) => store_taps::<L, 3, true>(&res, dst),
+    }
+}
+
+/// `dst[i][tap] (+)= res[tap][i]` for `L` channels of `TAPS` taps.
+#[inline(always)]
+fn store_taps<const L: usize, const TAPS: usize, const ADD: bool>(
+    res: &[[f32; L]; 9],
+    dst: &mut [f32],
+) {
+    let dst: &mut [[f32; TAPS]] = dst.as_chunks_mut::<TAPS>().0;
+    for (i, d) in dst.iter_mut().enumerate().take(L) {
+        for (tap, d) in d.iter_mut().enumerate() {
+            *d = if ADD { *d + res[tap][i] } else { res[tap][i] };
         }
     }
 }
