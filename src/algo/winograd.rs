@@ -460,16 +460,7 @@ impl Winograd {
             }
         }
         // 2. One GEMM per position of the transformed tile.
-        let ep = GemmEpilogue {
-            accumulate: false,
-            last: false,
-            bias: std::ptr::null(),
-            bias_per_row: false,
-            residual: std::ptr::null(),
-            rs_residual: 0,
-            min: f32::NEG_INFINITY,
-            max: f32::INFINITY,
-        };
+        let ep = GemmEpilogue::plain(false);
         let (nr, panels) = (self.gemm.nr, cout_pad / self.gemm.nr);
         // The last block of tiles runs the half-height kernel when it holds no more.
         // Rows past the item's tiles are computed (from zeros) and stored like the others:

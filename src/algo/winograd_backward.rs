@@ -300,8 +300,7 @@ impl WinoWeightGrad {
         scratch: &mut [f32],
     ) {
         let (k, nr) = (plan.kern, self.gemm.nr);
-        let (m, lanes) = (k.m, k.lanes);
-        let cb = self.cin_g.saturating_sub(c0).min(lanes);
+        let lanes = k.lanes;
         let planes = Planes {
             layout: self.layout,
             channels: g.c_in,
@@ -311,27 +310,54 @@ impl WinoWeightGrad {
         // Channel `c0` of position ξ, tile p: V[((ξ·panels + c0/nr)·tiles + p)·nr + c0%nr].
         let xi_stride = plan.ci_pad * plan.tiles;
         let base = v.get().add((c0 / nr * plan.tiles) * nr + c0 % nr);
+        let chans = (
+            grp * self.cin_g + c0,
+            self.cin_g.saturating_sub(c0).min(lanes),
+        );
+        let origin = (g.pad_top as isize, g.pad_left as isize, k.rows_in(), 2);
+        self.each_tile(
+            plan,
+            &planes,
+            input,
+            chans,
+            origin,
+            scratch,
+            |tile, row, p| {
+                // SAFETY: the tile's pixels lie in the region; its xis vectors of `lanes` floats go
+                // to V at `xi_stride` apart, inside V (p < tiles, c0 + lanes <= ci_pad).
+                unsafe { (k.func)(tile.as_ptr(), row, base.add(p * nr), xi_stride) };
+            },
+        );
+    }
+
+    /// Calls `tile(region, row, p)` for every tile `p` of the plan, with `region` at the tile's
+    /// first pixel (rows `row` floats apart) of `t`'s channels `cfirst..cfirst+cb` (zero
+    /// outside the image and past `cb`), `rows` rows from `-pad_top` on and `m` columns a tile
+    /// plus `halo`.
+    #[allow(clippy::too_many_arguments)]
+    fn each_tile(
+        &self,
+        plan: &WinoWeightPlan,
+        t: &Planes,
+        src: &[f32],
+        (cfirst, cb): (usize, usize),
+        (pad_top, pad_left, rows, halo): (isize, isize, usize, usize),
+        scratch: &mut [f32],
+        mut tile: impl FnMut(&[f32], usize, usize),
+    ) {
+        let (k, lanes) = (plan.kern, plan.kern.lanes);
         for run in runs(0, plan.tiles, (plan.tiles_y, plan.tiles_x)) {
-            let cols = run.len * m + 2;
-            let y0 = (run.ty * k.rows_out()) as isize - g.pad_top as isize;
-            let x0 = (run.tx0 * m) as isize - g.pad_left as isize;
-            let first = (run.n, grp * self.cin_g + c0, cb);
-            let region = (y0, x0, k.rows_in(), cols, lanes);
+            let cols = run.len * k.m + halo;
+            let y0 = (run.ty * k.rows_out()) as isize - pad_top;
+            let x0 = (run.tx0 * k.m) as isize - pad_left;
             if cb == 0 {
-                scratch[..k.rows_in() * cols * lanes].fill(0.0);
+                scratch[..rows * cols * lanes].fill(0.0);
             } else {
-                load_region(&planes, self.transpose, input, first, region, scratch);
+                let rect = (y0, x0, rows, cols, lanes);
+                load_region(t, self.transpose, src, (run.n, cfirst, cb), rect, scratch);
             }
             for i in 0..run.len {
-                // SAFETY: the tile's pixels lie in the region just loaded; its xis vectors of
-                // `lanes` floats go to V at `xi_stride` apart, inside V (p < tiles, c0 + lanes
-                // <= ci_pad).
-                (k.func)(
-                    scratch[i * m * lanes..].as_ptr(),
-                    cols * lanes,
-                    base.add((run.p + i) * nr),
-                    xi_stride,
-                );
+                tile(&scratch[i * k.m * lanes..], cols * lanes, run.p + i);
             }
         }
     }
@@ -354,7 +380,6 @@ impl WinoWeightGrad {
     ) {
         let (k, mr) = (plan.kern, self.gemm.mr);
         let (m, t, lanes, xis) = (k.m, k.t(), k.lanes, k.xis());
-        let cb = self.cout_g.saturating_sub(c0).min(lanes);
         // Channels of this block inside the padded A panels.
         let cpad = plan.co_pad.saturating_sub(c0).min(lanes);
         let planes = Planes {
@@ -368,31 +393,21 @@ impl WinoWeightGrad {
         let (half, out) = rest.split_at_mut(t * t * lanes);
         let out = &mut out[..xis * lanes];
         let panels = plan.co_pad / mr;
-        for run in runs(0, plan.tiles, (plan.tiles_y, plan.tiles_x)) {
-            let cols = run.len * m;
-            let y0 = (run.ty * k.rows_out()) as isize;
-            let x0 = (run.tx0 * m) as isize;
-            let first = (run.n, grp * self.cout_g + c0, cb);
-            let rect = (y0, x0, k.rows_out(), cols, lanes);
-            if cb == 0 {
-                region[..k.rows_out() * cols * lanes].fill(0.0);
-            } else {
-                load_region(&planes, self.transpose, grad_output, first, rect, region);
-            }
-            for i in 0..run.len {
-                // SAFETY: the tile's m x m pixels lie in the region (rows `cols` wide); the
-                // ISA is this CPU's.
-                grad_tile_at(
-                    self.isa,
-                    at,
-                    (m, t, k.dims, lanes),
-                    &region[i * m * lanes..],
-                    cols * lanes,
-                    half,
-                    out,
-                );
+        let chans = (
+            grp * self.cout_g + c0,
+            self.cout_g.saturating_sub(c0).min(lanes),
+        );
+        self.each_tile(
+            plan,
+            &planes,
+            grad_output,
+            chans,
+            (0, 0, k.rows_out(), 0),
+            region,
+            |tile, row, p| {
+                // SAFETY: the tile's m x m pixels lie in the region; the ISA is this CPU's.
+                grad_tile_at(self.isa, at, (m, t, k.dims, lanes), tile, row, half, out);
                 // Into the A panels, a run of channels within one panel at a time.
-                let p = run.p + i;
                 let mut c = 0;
                 while c < cpad {
                     let (q, r) = ((c0 + c) / mr, (c0 + c) % mr);
@@ -411,8 +426,8 @@ impl WinoWeightGrad {
                     }
                     c += len;
                 }
-            }
-        }
+            },
+        );
     }
 
     /// `Ŵ_ξ = Ê_ξ · V_ξ` for the positions `xis` and the output-channel panels `qs`, into `w`
@@ -437,16 +452,7 @@ impl WinoWeightGrad {
         for xi in xis {
             for k0 in (0..plan.tiles).step_by(plan.kc) {
                 let kc = plan.kc.min(plan.tiles - k0);
-                let ep = GemmEpilogue {
-                    accumulate: k0 > 0,
-                    last: false,
-                    bias: std::ptr::null(),
-                    bias_per_row: false,
-                    residual: std::ptr::null(),
-                    rs_residual: 0,
-                    min: f32::NEG_INFINITY,
-                    max: f32::INFINITY,
-                };
+                let ep = GemmEpilogue::plain(k0 > 0);
                 for j in 0..ci_panels {
                     let b = v.get().add(((xi * ci_panels + j) * plan.tiles + k0) * nr);
                     for q in qs.clone() {

@@ -74,6 +74,22 @@ pub struct GemmEpilogue {
     pub max: f32,
 }
 
+impl GemmEpilogue {
+    /// No epilogue: the product alone, added to C where `accumulate`.
+    pub(crate) fn plain(accumulate: bool) -> Self {
+        GemmEpilogue {
+            accumulate,
+            last: false,
+            bias: std::ptr::null(),
+            bias_per_row: false,
+            residual: std::ptr::null(),
+            rs_residual: 0,
+            min: f32::NEG_INFINITY,
+            max: f32::INFINITY,
+        }
+    }
+}
+
 /// Stores the edge tile `tile` (rows `ld` apart) into the `m x n` corner of C with the
 /// epilogue, in scalar code. Every generated kernel calls it for partial tiles.
 ///
