@@ -8,7 +8,7 @@ use common::{case, cases, Case, Rng};
 use convkit::reference::{self, Reference};
 use convkit::{
     Accumulate, Activation, ConvBackward, ConvParams, ConvTranspose1d, ConvTranspose2d, Error, Isa,
-    Layout, Options, Padding, Workspace,
+    Layout, Options, Padding, Precision, Workspace,
 };
 use proptest::prelude::*;
 
@@ -206,10 +206,12 @@ fn backward_on_layer_shapes() {
         (40, 40, 7, 1, 3, 40, 10),
         (64, 64, 3, 1, 1, 8, 10),
         (3, 16, 7, 2, 3, 1, 23),
-        // Winograd weight gradients: F(4,3) with ragged tiles, F(2,3) unpadded, grouped.
+        // Winograd weight gradients (`winograd_weight_tiles` checks which tile each takes):
+        // F(4,3) with ragged tiles, F(4,3) unpadded, grouped, and F(2,3).
         (20, 36, 3, 1, 1, 1, 23),
         (16, 24, 3, 1, 0, 1, 17),
         (32, 40, 3, 1, 1, 2, 13),
+        (16, 24, 3, 1, 1, 1, 9),
     ];
     for (i, &(ci, co, k, s, pad, groups, h)) in shapes.iter().enumerate() {
         for layout in [Layout::Nchw, Layout::Nhwc] {
@@ -241,6 +243,53 @@ fn backward_on_layer_shapes() {
         seed: 99,
     };
     check_backward(&case).unwrap();
+}
+
+/// The weight-gradient path `backward_on_layer_shapes` relies on, at the best ISA level:
+/// F(4,3) where it has 32 tiles, F(2,3) where only that does, the tap GEMMs under
+/// `Precision::Exact`, and no Winograd on too few channels.
+#[test]
+fn winograd_weight_tiles() {
+    let name = |params: ConvParams, h: usize, options: Options| {
+        let weights = vec![0.1; params.weights_len().unwrap()];
+        let plan = ConvBackward::new(params, &weights, options)
+            .unwrap()
+            .plan(2, h, h + 3)
+            .unwrap();
+        plan.kernel_name()
+    };
+    let p = |ci, co, pad, groups| {
+        ConvParams::conv2d(ci, co, [3, 3])
+            .with_padding(Padding::uniform(pad))
+            .with_groups(groups)
+    };
+    let best = Options::default();
+    for (params, h, tile) in [
+        (p(20, 36, 1, 1), 23, "f4_2d"),
+        (p(16, 24, 0, 1), 17, "f4_2d"),
+        (p(32, 40, 1, 2), 13, "f4_2d"),
+        (p(16, 24, 1, 1), 9, "f2_2d"),
+    ] {
+        let k = name(params, h, best);
+        // The SIMD levels' GEMM panels hold whole transform vectors; a build whose best level
+        // is scalar is not asserted on the tile.
+        if Isa::default_level().unwrap() != Isa::Scalar {
+            assert!(
+                k.contains(&format!("weights: winograd/wino_f32_{tile}")),
+                "{k}"
+            );
+        }
+        let exact = Options {
+            precision: Precision::Exact,
+            ..best
+        };
+        assert!(
+            name(params, h, exact).contains("weights: tap_gemm"),
+            "exact: {k}"
+        );
+    }
+    let narrow = name(p(8, 24, 1, 1), 23, best);
+    assert!(!narrow.contains("weights: winograd"), "{narrow}");
 }
 
 /// `Σ r · conv(x, w, b)` from the forward reference (f64 accumulation).

@@ -138,7 +138,8 @@ fn run_does_not_allocate() {
 
 /// The backward passes and transposed convolution allocate nothing either, on every path:
 /// the stride-1 forward convolution (with accumulation through the workspace), col2im, the
-/// depthwise kernels, the tap GEMMs, the per-channel and the blocked weight kernels.
+/// depthwise kernels, the Winograd weight gradient (the first layer), the tap GEMMs, the
+/// per-channel and the blocked weight kernels.
 #[test]
 fn backward_passes_do_not_allocate() {
     let layers = [

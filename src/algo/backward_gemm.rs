@@ -63,6 +63,17 @@ macro_rules! isa_dispatch {
 }
 pub(crate) use isa_dispatch;
 
+/// `a·b + c`, fused where the ISA has FMA (`F`); a plain multiply-add in scalar code, where
+/// `mul_add` would be a library call.
+#[inline(always)]
+pub(crate) fn madd<const F: bool>(a: f32, b: f32, c: f32) -> f32 {
+    if F {
+        a.mul_add(b, c)
+    } else {
+        a * b + c
+    }
+}
+
 /// Rows (NCHW) or columns (NHWC) of `dcol` a block of input channels aims at: enough to keep
 /// the kernel busy on a tile, few enough that blocks split the work between threads.
 const BLOCK_ROWS: usize = 192;

@@ -14,23 +14,12 @@
 //! Every kernel is compiled for the plan's ISA ([`isa_dispatch`]) and left to the compiler to
 //! vectorise: the loops are contiguous multiply-adds.
 
-use super::backward_gemm::{isa_dispatch, taps_inside, Epilogue};
+use super::backward_gemm::{isa_dispatch, madd, taps_inside, Epilogue};
 use super::{for_each_worker, SendPtr};
 use crate::cpu::generated_layout::Transpose8x8;
 use crate::cpu::Isa;
 use crate::params::Geometry;
 use crate::{ConvParams, Layout};
-
-/// `a·b + c`, fused where the ISA has FMA (`F`); a plain multiply-add in scalar code, where
-/// `mul_add` would be a library call.
-#[inline(always)]
-fn madd<const F: bool>(a: f32, b: f32, c: f32) -> f32 {
-    if F {
-        a.mul_add(b, c)
-    } else {
-        a * b + c
-    }
-}
 
 isa_dispatch!(fn data_nchw_at = data_nchw(
     plan: &DwBackwardPlan,

@@ -309,10 +309,7 @@ impl Winograd {
     }
 
     pub(crate) fn error_factor(&self) -> f64 {
-        ERROR_FACTOR
-            .iter()
-            .find(|e| e.0 == self.kern.m)
-            .map_or(f64::INFINITY, |e| e.1)
+        error_factor(self.kern.m)
     }
 
     pub(crate) fn kernel_name(&self) -> String {
@@ -670,6 +667,14 @@ impl Winograd {
             }
         }
     }
+}
+
+/// [`ERROR_FACTOR`] of tile size `m`.
+pub(crate) fn error_factor(m: usize) -> f64 {
+    ERROR_FACTOR
+        .iter()
+        .find(|e| e.0 == m)
+        .map_or(f64::INFINITY, |e| e.1)
 }
 
 /// The tensor a region is read from: its layout and the sizes of one image.

@@ -19,7 +19,7 @@
 //! whole Ŵ, then (3) by output channel. Plans whose workspace (the transformed tiles, and Ŵ)
 //! would pass [`MAX_FLOATS`] take the tap GEMMs instead.
 
-use super::backward_gemm::isa_dispatch;
+use super::backward_gemm::{isa_dispatch, madd};
 use super::winograd::{load_region, runs, Planes, WinoKernel};
 use super::{for_each_worker, SendPtr};
 use crate::cpu::{self, Isa};
@@ -34,10 +34,13 @@ const MAX_FLOATS: usize = 8 << 20;
 /// they are summed and transformed back.
 const W_ITEM_FLOATS: usize = 160 * 1024;
 
-/// The fewest tiles (the GEMMs' depth) for which the GEMMs beat the tap GEMMs' overheads.
+/// The fewest tiles (the GEMMs' depth) a plan takes. At 16, resnet50_l3_3x3 took F(4,3) (16
+/// tiles) and ran slower than under F(2,3) (49 tiles); 32 is a round bound above that, not a
+/// measured crossover.
 const MIN_TILES: usize = 32;
 
-/// The fewest channels on either side: narrower layers keep the tap GEMMs.
+/// The fewest channels on either side: narrower layers keep the tap GEMMs, as the transforms'
+/// share of the work grows when the GEMMs shrink (a choice, not measured).
 const MIN_CHANNELS: usize = 16;
 
 pub(crate) struct WinoWeightGrad {
@@ -90,10 +93,7 @@ impl WinoWeightPlan {
         self.v_floats() + self.e_floats() + self.w_floats() + self.workers * self.per_worker
     }
     pub(crate) fn error_factor(&self) -> f64 {
-        crate::winograd::ERROR_FACTOR
-            .iter()
-            .find(|e| e.0 == self.kern.m)
-            .map_or(f64::INFINITY, |e| e.1)
+        super::winograd::error_factor(self.kern.m)
     }
     pub(crate) fn kernel_name(&self, gemm: &GemmKernel) -> String {
         format!("winograd/{}+{}", self.kern.name, gemm.name)
@@ -110,7 +110,7 @@ impl WinoWeightGrad {
         if cin_g < MIN_CHANNELS || cout_g < MIN_CHANNELS {
             return None;
         }
-        // F(6,3)'s transforms make the weight gradient too inexact: at most F(4,3).
+        // F(2,3) and F(4,3) only: F(6,3)'s larger error was not measured for gradients.
         let max = precision.max_tile().min(4);
         let kerns: Vec<_> = [2, 4]
             .into_iter()
@@ -169,13 +169,11 @@ impl WinoWeightGrad {
                 let tiles_y = g.oh.div_ceil(kern.rows_out());
                 let tiles_x = g.ow.div_ceil(kern.m);
                 let tiles = g.batch.checked_mul(tiles_y)?.checked_mul(tiles_x)?;
-                let lanes = kern.lanes;
-                let t = kern.t();
+                let (lanes, t, xis) = (kern.lanes, kern.t(), kern.xis());
                 // The transforms' scratch: a run of input rows, a transformed tile, and the
                 // half-transformed output-gradient tile.
-                let scratch = kern.rows_in() * (tiles_x * kern.m + 2) * lanes
-                    + kern.xis() * lanes
-                    + t * t * lanes;
+                let scratch =
+                    kern.rows_in() * (tiles_x * kern.m + 2) * lanes + xis * lanes + t * t * lanes;
                 // The GEMM phase's items: as many panels of output channels as keep their
                 // products (Ŵ) within W_ITEM_FLOATS, and at least one item a worker.
                 let (co_panels, workers) = (co_pad / mr, threads.max(1));
@@ -194,7 +192,12 @@ impl WinoWeightGrad {
                     workers,
                     per_worker: scratch.max(panels * per_panel),
                 };
-                (tiles >= MIN_TILES && plan.workspace_floats() <= MAX_FLOATS).then_some(plan)
+                // Checked here, so the unchecked sizes of the plan's methods cannot overflow.
+                let tiled = crate::params::mul(&[xis, tiles, ci_pad + co_pad], "tiles").ok()?;
+                let products = crate::params::mul(&[xis, co_pad, ci_pad], "products").ok()?;
+                let fits = tiled.saturating_add(products) <= MAX_FLOATS
+                    && plan.workspace_floats() <= MAX_FLOATS;
+                (tiles >= MIN_TILES && fits).then_some(plan)
             })
             .min_by_key(|p| p.kern.xis() * p.tiles)
     }
@@ -598,17 +601,18 @@ fn at_rows<const FMA: bool, const L: usize, const M: usize, const T: usize>(
     for j in 0..M {
         let x = src(j);
         for (l, a) in acc.iter_mut().enumerate() {
-            let k = at[j * T + l];
-            for i in 0..L {
-                a[i] = if FMA {
-                    x[i].mul_add(k, a[i])
-                } else {
-                    a[i] + k * x[i]
-                };
-            }
+            madd_lanes::<FMA, L>(a, at[j * T + l], &x);
         }
     }
     acc
+}
+
+/// `acc += k·x`, lane by lane.
+#[inline(always)]
+fn madd_lanes<const FMA: bool, const L: usize>(acc: &mut [f32; L], k: f32, x: &[f32; L]) {
+    for i in 0..L {
+        acc[i] = madd::<FMA>(x[i], k, acc[i]);
+    }
 }
 
 isa_dispatch!(fn collapse_at = collapse(
@@ -668,15 +672,7 @@ fn collapse_by<const FMA: bool, const T: usize, const L: usize>(
 ) {
     let load =
         |xi: usize| -> [f32; L] { w[xi * xi_stride + c..][..L].try_into().expect("L floats") };
-    let fma = |acc: &mut [f32; L], k: f32, x: &[f32; L]| {
-        for i in 0..L {
-            acc[i] = if FMA {
-                x[i].mul_add(k, acc[i])
-            } else {
-                acc[i] + k * x[i]
-            };
-        }
-    };
+    let fma = madd_lanes::<FMA, L>;
     let mut res = [[0.0f32; L]; 9];
     let taps = if dims == 2 {
         // Per row kk of Ŵ: s[kx] = Σ_l Ŵ[kk][l]·G[l][kx], then res[ky][kx] += G[kk][ky]·s[kx].
