@@ -202,23 +202,14 @@ impl QDepthwise {
             let (b, ci) = (item / g.c_in, item % g.c_in);
             let plane = &mut scratch[..plan.plane];
             let src = &x[(b * g.c_in + ci) * hw..(b * g.c_in + ci + 1) * hw];
-            // Zero points around the image, the image rows inside (shifted for i8 inputs):
-            // plain loops, which the compiler vectorises without a memcpy call a row.
-            let wp = plan.wp;
-            let zu = self.zu;
-            plane[..g.pad_top * wp + g.pad_left].fill(zu);
-            for (iy, row) in src.chunks_exact(g.w).enumerate() {
-                let at = (g.pad_top + iy) * wp + g.pad_left;
-                for (d, s) in plane[at..at + g.w].iter_mut().zip(row) {
-                    *d = s ^ flip;
-                }
-                // This row's right padding and the next row's left padding.
-                let end = (at + wp).min(plane.len());
-                for d in &mut plane[at + g.w..end] {
-                    *d = zu;
-                }
+            match self.kern {
+                // SAFETY: a generated kernel was chosen, so the CPU has AVX-512BW (checked at
+                // create); `src` holds the h x w image, and the plane (a multiple of 64
+                // bytes) holds the padded rows, since `plan.plane` counts them.
+                #[cfg(target_arch = "x86_64")]
+                Some(_) => unsafe { pad_plane_avx512(src, g, plan.wp, plane, self.zu, flip) },
+                _ => pad_plane(src, g, plan.wp, plane, self.zu, flip),
             }
-            plane[(g.pad_top + g.h) * wp..].fill(zu);
             for co in ci * mult..(ci + 1) * mult {
                 let ep = QDwEpilogue {
                     mode: out.mode,
@@ -291,6 +282,61 @@ impl QDepthwise {
             for (i, v) in y.iter_mut().enumerate() {
                 *v = out.activation.apply(*v + residual.map_or(0.0, |r| r[i]));
             }
+        }
+    }
+}
+
+/// Copies the `h x w` image `src` into `plane` with rows `wp` bytes apart, `pad_top` rows and
+/// `pad_left` columns of the zero point `zu` before it and zero points everywhere else, each
+/// byte xor `flip` (the i8 -> u8 shift).
+fn pad_plane(src: &[u8], g: &Geometry, wp: usize, plane: &mut [u8], zu: u8, flip: u8) {
+    plane.fill(zu);
+    for (iy, row) in src.chunks_exact(g.w).enumerate() {
+        let at = (g.pad_top + iy) * wp + g.pad_left;
+        for (d, s) in plane[at..at + g.w].iter_mut().zip(row) {
+            *d = s ^ flip;
+        }
+    }
+}
+
+/// [`pad_plane`] in 64-byte stores: the padded rows filled whole, then the image rows laid
+/// over them with masked loads and stores (no byte loops, no call a row).
+///
+/// # Safety
+/// The CPU must have AVX-512F/BW; `plane.len()` must be a multiple of 64, at least
+/// `(pad_top + h) * wp`; `src` must hold `h * w` bytes.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn pad_plane_avx512(
+    src: &[u8],
+    g: &Geometry,
+    wp: usize,
+    plane: &mut [u8],
+    zu: u8,
+    flip: u8,
+) {
+    use std::arch::x86_64::*;
+    debug_assert!(plane.len().is_multiple_of(64) && plane.len() >= (g.pad_top + g.h) * wp);
+    debug_assert!(src.len() >= g.h * g.w);
+    let z = _mm512_set1_epi8(zu as i8);
+    let f = _mm512_set1_epi8(flip as i8);
+    let p = plane.as_mut_ptr();
+    for at in (0..plane.len()).step_by(64) {
+        _mm512_storeu_si512(p.add(at) as *mut __m512i, z);
+    }
+    for iy in 0..g.h {
+        let (s, d) = (
+            src.as_ptr().add(iy * g.w),
+            p.add((g.pad_top + iy) * wp + g.pad_left),
+        );
+        for x in (0..g.w).step_by(64) {
+            let m: __mmask64 = if g.w - x >= 64 {
+                !0
+            } else {
+                (1u64 << (g.w - x)) - 1
+            };
+            let v = _mm512_xor_si512(_mm512_maskz_loadu_epi8(m, s.add(x) as *const i8), f);
+            _mm512_mask_storeu_epi8(d.add(x) as *mut i8, m, v);
         }
     }
 }
