@@ -45,6 +45,10 @@ pub struct QDwKernel {
 /// Bytes every padded plane has after its last row, for the kernels' 64-byte loads.
 const SLACK: usize = 128;
 
+/// The padded planes a work item writes before it runs their kernels: small planes come in
+/// blocks of up to this many bytes (in L1), large ones one at a time.
+const BLOCK_BYTES: usize = 16 * 1024;
+
 pub(crate) struct QDepthwise {
     kern: Option<&'static QDwKernel>,
     /// The generated kernel's weights: per output channel, `kh` rows of i32 quads.
@@ -61,9 +65,11 @@ pub(crate) struct QDwPlan {
     /// the first output's; empty where they do not fit one 64-byte load (row mode).
     table: Vec<u8>,
     workers: usize,
-    /// Padded plane: row length, bytes a worker.
+    /// Padded plane: row length, bytes.
     wp: usize,
     plane: usize,
+    /// Channels a work item (planes a worker's scratch holds).
+    block: usize,
     /// NHWC: the CHW copies of input and output.
     in_copy: usize,
     out_copy: usize,
@@ -71,7 +77,7 @@ pub(crate) struct QDwPlan {
 
 impl QDwPlan {
     pub(crate) fn workspace_bytes(&self) -> usize {
-        self.in_copy + self.out_copy + self.workers * self.plane
+        self.in_copy + self.out_copy + self.workers * self.block * self.plane
     }
 }
 
@@ -130,16 +136,22 @@ impl QDepthwise {
         let wp = g.pad_left + g.w + g.pad_right;
         let nhwc = g.layout == Layout::Nhwc;
         let eb = 4; // the largest output element; planes of bytes are smaller
+                    // Flat-mode vectors past the last output read up to two output rows further.
+        let plane = ((hp + 2 * g.sh + 2) * wp + SLACK).next_multiple_of(64);
+        // At least four items a thread, for balance.
+        let block = (BLOCK_BYTES / plane)
+            .min((g.batch * g.c_in).div_ceil(4 * threads.max(1)))
+            .clamp(1, g.c_in);
         let table = match self.kern {
             Some(_) => flat_table(g, wp),
             None => Vec::new(),
         };
         QDwPlan {
             table,
-            workers: threads.max(1).min(g.batch * g.c_in).max(1),
+            workers: threads.max(1).min(g.batch * g.c_in.div_ceil(block)).max(1),
             wp,
-            // Flat-mode vectors past the last output read up to two output rows further.
-            plane: ((hp + 2 * g.sh + 2) * wp + SLACK).next_multiple_of(64),
+            plane,
+            block,
             in_copy: if nhwc {
                 (g.batch * g.c_in * g.h * g.w).next_multiple_of(64)
             } else {
@@ -197,63 +209,74 @@ impl QDepthwise {
         } as *mut f32);
         let planes: &mut [f32] = bytemuck::cast_slice_mut(planes);
         let mult = g.c_out / g.c_in;
-        for_each_worker(plan.workers, g.batch * g.c_in, planes, |scratch, item| {
+        let blocks = g.c_in.div_ceil(plan.block);
+        for_each_worker(plan.workers, g.batch * blocks, planes, |scratch, item| {
             let scratch: &mut [u8] = bytemuck::cast_slice_mut(scratch);
-            let (b, ci) = (item / g.c_in, item % g.c_in);
-            let plane = &mut scratch[..plan.plane];
-            let src = &x[(b * g.c_in + ci) * hw..(b * g.c_in + ci + 1) * hw];
-            match self.kern {
-                // SAFETY: a generated kernel was chosen, so the CPU has AVX-512BW (checked at
-                // create); `src` holds the h x w image, and the plane (a multiple of 64
-                // bytes) holds the padded rows, since `plan.plane` counts them.
-                #[cfg(target_arch = "x86_64")]
-                Some(_) => unsafe { pad_plane_avx512(src, g, plan.wp, plane, self.zu, flip) },
-                _ => pad_plane(src, g, plan.wp, plane, self.zu, flip),
-            }
-            for co in ci * mult..(ci + 1) * mult {
-                let ep = QDwEpilogue {
-                    mode: out.mode,
-                    elem_bytes: eb,
-                    bias: out.bias[co],
-                    scale: out.scale[co],
-                    zero_point: out.zero_point,
-                    lo: out.lo,
-                    hi: out.hi,
-                };
-                // SAFETY: the output plane (b, co) is this item's alone, inside the output
-                // (or its CHW copy), whose length was checked.
-                let yplane = unsafe { (y.get() as *mut u8).add((b * g.c_out + co) * ohw * eb) };
+            let (b, c0) = (item / blocks, item % blocks * plan.block);
+            let cs = plan.block.min(g.c_in - c0);
+            // Every plane of the block first: the kernels then read planes whose stores have
+            // long retired (a load over several just-issued masked stores stalls).
+            for (i, plane) in scratch.chunks_exact_mut(plan.plane).take(cs).enumerate() {
+                let ci = c0 + i;
+                // The channel's image and whatever follows it (read, never used, by loads
+                // that run past its end).
+                let src = &x[(b * g.c_in + ci) * hw..];
                 match self.kern {
-                    Some(k) => {
-                        let w = self.quads[co * g.kh * g.kw.div_ceil(4)..].as_ptr();
-                        // SAFETY: the output rows read the plane's rows (oy*s + ky), all
-                        // inside the padded plane, which has SLACK bytes after its last row
-                        // for the 64-byte loads; the CPU has VNNI and VBMI (checked at
-                        // create); yplane holds oh*ow elements.
-                        let table = if plan.table.is_empty() {
-                            std::ptr::null()
-                        } else {
-                            plan.table.as_ptr()
-                        };
-                        unsafe {
-                            (k.func)(plane.as_ptr(), plan.wp, g.oh, g.ow, table, w, yplane, &ep)
-                        };
-                    }
-                    None => {
-                        let w = &self.weights[co * g.kh * g.kw..(co + 1) * g.kh * g.kw];
-                        for oy in 0..g.oh {
-                            // SAFETY: as above, row oy of the output plane.
-                            unsafe {
-                                generic_row(
-                                    plane,
-                                    plan.wp,
-                                    g,
-                                    oy,
-                                    w,
-                                    yplane.add(oy * g.ow * eb),
-                                    &ep,
-                                )
+                    // SAFETY: a generated kernel was chosen, so the CPU has AVX-512BW (checked
+                    // at create); `src` holds the h x w image, and the plane (a multiple of 64
+                    // bytes) holds the padded rows, since `plan.plane` counts them.
+                    #[cfg(target_arch = "x86_64")]
+                    Some(_) => unsafe { pad_plane_avx512(src, g, plan.wp, plane, self.zu, flip) },
+                    _ => pad_plane(src, g, plan.wp, plane, self.zu, flip),
+                }
+            }
+            for (i, plane) in scratch.chunks_exact(plan.plane).take(cs).enumerate() {
+                let ci = c0 + i;
+                for co in ci * mult..(ci + 1) * mult {
+                    let ep = QDwEpilogue {
+                        mode: out.mode,
+                        elem_bytes: eb,
+                        bias: out.bias[co],
+                        scale: out.scale[co],
+                        zero_point: out.zero_point,
+                        lo: out.lo,
+                        hi: out.hi,
+                    };
+                    // SAFETY: the output plane (b, co) is this item's alone, inside the output
+                    // (or its CHW copy), whose length was checked.
+                    let yplane = unsafe { (y.get() as *mut u8).add((b * g.c_out + co) * ohw * eb) };
+                    match self.kern {
+                        Some(k) => {
+                            let w = self.quads[co * g.kh * g.kw.div_ceil(4)..].as_ptr();
+                            // SAFETY: the output rows read the plane's rows (oy*s + ky), all
+                            // inside the padded plane, which has SLACK bytes after its last row
+                            // for the 64-byte loads; the CPU has VNNI and VBMI (checked at
+                            // create); yplane holds oh*ow elements.
+                            let table = if plan.table.is_empty() {
+                                std::ptr::null()
+                            } else {
+                                plan.table.as_ptr()
                             };
+                            unsafe {
+                                (k.func)(plane.as_ptr(), plan.wp, g.oh, g.ow, table, w, yplane, &ep)
+                            };
+                        }
+                        None => {
+                            let w = &self.weights[co * g.kh * g.kw..(co + 1) * g.kh * g.kw];
+                            for oy in 0..g.oh {
+                                // SAFETY: as above, row oy of the output plane.
+                                unsafe {
+                                    generic_row(
+                                        plane,
+                                        plan.wp,
+                                        g,
+                                        oy,
+                                        w,
+                                        yplane.add(oy * g.ow * eb),
+                                        &ep,
+                                    )
+                                };
+                            }
                         }
                     }
                 }
@@ -291,7 +314,7 @@ impl QDepthwise {
 /// byte xor `flip` (the i8 -> u8 shift).
 fn pad_plane(src: &[u8], g: &Geometry, wp: usize, plane: &mut [u8], zu: u8, flip: u8) {
     plane.fill(zu);
-    for (iy, row) in src.chunks_exact(g.w).enumerate() {
+    for (iy, row) in src.chunks_exact(g.w).take(g.h).enumerate() {
         let at = (g.pad_top + iy) * wp + g.pad_left;
         for (d, s) in plane[at..at + g.w].iter_mut().zip(row) {
             *d = s ^ flip;
@@ -300,11 +323,12 @@ fn pad_plane(src: &[u8], g: &Geometry, wp: usize, plane: &mut [u8], zu: u8, flip
 }
 
 /// [`pad_plane`] in 64-byte stores: the padded rows filled whole, then the image rows laid
-/// over them with masked loads and stores (no byte loops, no call a row).
+/// over them with masked loads (no byte loops, no call a row).
 ///
 /// # Safety
 /// The CPU must have AVX-512F/BW; `plane.len()` must be a multiple of 64, at least
-/// `(pad_top + h) * wp`; `src` must hold `h * w` bytes.
+/// `(pad_top + h) * wp + 64`; `src` must hold at least `h * w` bytes (the image; loads read
+/// up to 64 bytes past it where `src` has them).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw")]
 unsafe fn pad_plane_avx512(
@@ -316,27 +340,36 @@ unsafe fn pad_plane_avx512(
     flip: u8,
 ) {
     use std::arch::x86_64::*;
-    debug_assert!(plane.len().is_multiple_of(64) && plane.len() >= (g.pad_top + g.h) * wp);
-    debug_assert!(src.len() >= g.h * g.w);
+    assert!(plane.len().is_multiple_of(64) && plane.len() >= (g.pad_top + g.h) * wp + 64);
+    assert!(src.len() >= g.h * g.w);
     let z = _mm512_set1_epi8(zu as i8);
     let f = _mm512_set1_epi8(flip as i8);
     let p = plane.as_mut_ptr();
     for at in (0..plane.len()).step_by(64) {
         _mm512_storeu_si512(p.add(at) as *mut __m512i, z);
     }
+    // Zero points where a row's last load ends, flipped twice.
+    let zf = _mm512_xor_si512(z, f);
     for iy in 0..g.h {
-        let (s, d) = (
-            src.as_ptr().add(iy * g.w),
-            p.add((g.pad_top + iy) * wp + g.pad_left),
-        );
+        let s = src.as_ptr().add(iy * g.w);
+        let d = p.add((g.pad_top + iy) * wp + g.pad_left);
         for x in (0..g.w).step_by(64) {
             let m: __mmask64 = if g.w - x >= 64 {
                 !0
             } else {
                 (1u64 << (g.w - x)) - 1
             };
-            let v = _mm512_xor_si512(_mm512_maskz_loadu_epi8(m, s.add(x) as *const i8), f);
-            _mm512_mask_storeu_epi8(d.add(x) as *mut i8, m, v);
+            // A plain load where 64 bytes remain in `src` (masked loads are slow), masked
+            // at its end.
+            let v = if iy * g.w + x + 64 <= src.len() {
+                _mm512_mask_blend_epi8(m, zf, _mm512_loadu_si512(s.add(x) as *const __m512i))
+            } else {
+                _mm512_mask_loadu_epi8(zf, m, s.add(x) as *const i8)
+            };
+            let v = _mm512_xor_si512(v, f);
+            // Whole stores, in address order: the zero points a row's last store writes past
+            // its end are the padding there, or bytes the next row's stores write again.
+            _mm512_storeu_si512(d.add(x) as *mut __m512i, v);
         }
     }
 }
