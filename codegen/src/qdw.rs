@@ -73,10 +73,12 @@ fn emit(k: usize, s: usize) -> TokenStream {
          outputs of a row; else 16 consecutive outputs of the plane, `table[64 * x]` the \
          `vpermb` indices of a vector starting at column `x`.\n\n \
          # Safety\n The CPU must have AVX-512F/BW/VL, VNNI and VBMI; the plane must be readable \
-         for 64 + {last} bytes from every row and column a vector (of either mode, whole) \
-         starts its reads at; the table must hold `ow` rows of 64 indices below 64; `out` \
+         for 64 + {last} bytes from every row and column a vector (of any mode, whole) \
+         starts its reads at (in packed row mode, up to {packed} bytes past a step's first \
+         output's input); the table must hold `ow` rows of 64 indices below 64; `out` \
          writable for `oh * ow` elements of the type of `ep.mode`.",
-        last = 4 * (nq - 1)
+        last = 4 * (nq - 1),
+        packed = packed_offset(s, 3)
     );
     // vpermb indices: output j of a vector takes bytes j*s + t, t = 0..4, of the load.
     let idx: Vec<i8> = (0..LANES)
@@ -179,6 +181,62 @@ fn emit(k: usize, s: usize) -> TokenStream {
             }
         }
     });
+    // Packed row mode (u8/i8 outputs, row mode): four vectors of 64 bytes loaded at the input
+    // offsets `packed_offset` of one step need no gather: dword `j` of vector `r` is already
+    // the four inputs under the taps of output `packed_output(s, r, j)`. The four sums are
+    // requantised, packed to bytes (`vpackssdw`, `vpackuswb` on the low bytes: the truncation
+    // `vpmovdb` does) and put in output order by one `vpermb`: 64 outputs a step.
+    let packed_perm: Vec<i8> = {
+        let mut perm = vec![0i8; 64];
+        for r in 0..4 {
+            for j in 0..LANES {
+                // After the packs, the byte of vector r's lane j sits at 16 (j / 4) + 4 r + j % 4.
+                perm[packed_output(s, r, j)] = (16 * (j / 4) + 4 * r + j % 4) as i8;
+            }
+        }
+        perm
+    };
+    let packed_sums = (0..4).map(|r| {
+        let acc = format_ident!("p{}", r);
+        let t = (0..k).flat_map(|ky| {
+            (0..nq).map(move |q| {
+                let acc = format_ident!("p{}", r);
+                let wn = format_ident!("w{}_{}", ky, q);
+                let (ky, q4, off) = (lit(ky), lit(4 * q), lit(packed_offset(s, r)));
+                quote! {
+                    #acc = _mm512_dpbusd_epi32(#acc, _mm512_loadu_si512(b.add(#ky * wp + #off + #q4) as *const __m512i), #wn);
+                }
+            })
+        });
+        quote! {
+            let mut #acc = bias;
+            #(#t)*
+            let #acc = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(#acc), scale), lo), hi)), zp);
+        }
+    });
+    let packed_rows = quote! {
+        let perm = _mm512_loadu_si512([#(#packed_perm),*].as_ptr() as *const __m512i);
+        let low = _mm512_set1_epi16(0xFF);
+        for oy in 0..oh {
+            let row = plane.add(oy * #s_l * wp);
+            let y = out.add(oy * ow);
+            let mut x = 0usize;
+            while x < ow {
+                let b = row.add(x * #s_l);
+                #(#packed_sums)*
+                let p01 = _mm512_and_si512(_mm512_packs_epi32(p0, p1), low);
+                let p23 = _mm512_and_si512(_mm512_packs_epi32(p2, p3), low);
+                let v = _mm512_permutexvar_epi8(perm, _mm512_packus_epi16(p01, p23));
+                let left = ow - x;
+                if left >= 64 {
+                    _mm512_storeu_si512(y.add(x) as *mut __m512i, v);
+                } else {
+                    _mm512_mask_storeu_epi8(y.add(x) as *mut i8, (1u64 << left) - 1, v);
+                }
+                x += 64;
+            }
+        }
+    };
     quote! {
         #[doc = #doc]
         #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi")]
@@ -212,7 +270,9 @@ fn emit(k: usize, s: usize) -> TokenStream {
             // Steps of a few vectors of 16 outputs: independent sums hide the multiply-add
             // latency.
             let (mut oy, mut x) = (0usize, 0usize);
-            if table.is_null() {
+            if table.is_null() && matches!(ep.mode, QMode::Q8) {
+                #packed_rows
+            } else if table.is_null() {
                 while oy < oh {
                     #(#row_steps)*
                     #(#row_stores)*
@@ -225,4 +285,21 @@ fn emit(k: usize, s: usize) -> TokenStream {
             }
         }
     }
+}
+
+/// Packed row mode: the input offset (from a step's first output's input) of vector `r`'s
+/// loads at stride `s`.
+fn packed_offset(s: usize, r: usize) -> usize {
+    match s {
+        1 => r,
+        _ => 2 * (r % 2) + 64 * (r / 2),
+    }
+}
+
+/// Packed row mode: the output (from a step's first) whose taps dword `j` of vector `r` holds:
+/// its input `s * out` is `packed_offset(s, r) + 4 j`.
+fn packed_output(s: usize, r: usize, j: usize) -> usize {
+    let out = (packed_offset(s, r) + 4 * j) / s;
+    debug_assert_eq!(out * s, packed_offset(s, r) + 4 * j);
+    out
 }
