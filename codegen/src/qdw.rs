@@ -208,10 +208,11 @@ fn emit(k: usize, s: usize) -> TokenStream {
                 }
             })
         });
+        let q = requantize(&acc);
         quote! {
             let mut #acc = bias;
             #(#t)*
-            let #acc = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(#acc), scale), lo), hi)), zp);
+            let #acc = #q;
         }
     });
     let packed_rows = quote! {
@@ -236,6 +237,43 @@ fn emit(k: usize, s: usize) -> TokenStream {
                 x += 64;
             }
         }
+    };
+    // Flat mode's four vectors are 64 consecutive outputs: with u8/i8 outputs, they are packed
+    // and stored as the packed row mode's are (3x3, the one size with four).
+    let flat_first = if unroll(k) == 4 {
+        quote!(let first = oy * ow + x;)
+    } else {
+        quote!()
+    };
+    let flat_tail = if unroll(k) == 4 {
+        let perm: Vec<i8> = (0..64usize)
+            .map(|o| (16 * (o % 16 / 4) + 4 * (o / 16) + o % 4) as i8)
+            .collect();
+        let requant = (0..4usize).map(|u| {
+            let (acc, p) = (format_ident!("acc{}", u), format_ident!("p{}", u));
+            let q = requantize(&acc);
+            quote!(let #p = #q;)
+        });
+        quote! {
+            if matches!(ep.mode, QMode::Q8) {
+                #(#requant)*
+                let low = _mm512_set1_epi16(0xFF);
+                let p01 = _mm512_and_si512(_mm512_packs_epi32(p0, p1), low);
+                let p23 = _mm512_and_si512(_mm512_packs_epi32(p2, p3), low);
+                let perm = _mm512_loadu_si512([#(#perm),*].as_ptr() as *const __m512i);
+                let v = _mm512_permutexvar_epi8(perm, _mm512_packus_epi16(p01, p23));
+                let left = oh * ow - first;
+                if left >= 64 {
+                    _mm512_storeu_si512(out.add(first) as *mut __m512i, v);
+                } else {
+                    _mm512_mask_storeu_epi8(out.add(first) as *mut i8, (1u64 << left) - 1, v);
+                }
+            } else {
+                #(#flat_stores)*
+            }
+        }
+    } else {
+        quote!(#(#flat_stores)*)
     };
     quote! {
         #[doc = #doc]
@@ -279,8 +317,9 @@ fn emit(k: usize, s: usize) -> TokenStream {
                 }
             } else {
                 while oy < oh {
+                    #flat_first
                     #(#flat_steps)*
-                    #(#flat_stores)*
+                    #flat_tail
                 }
             }
         }
@@ -302,4 +341,10 @@ fn packed_output(s: usize, r: usize, j: usize) -> usize {
     let out = (packed_offset(s, r) + 4 * j) / s;
     debug_assert_eq!(out * s, packed_offset(s, r) + 4 * j);
     out
+}
+
+/// The packed modes' requantisation of the i32 sums `acc` (as the store's Q8 arm, before its
+/// narrowing): scaled, clamped, rounded, the zero point added.
+fn requantize(acc: &proc_macro2::Ident) -> TokenStream {
+    quote!(_mm512_add_epi32(_mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(#acc), scale), lo), hi)), zp))
 }
