@@ -18,6 +18,7 @@
 //! (its multiplier is f32 too).
 
 use crate::algo::qdepthwise::{QDepthwise, QDwPlan};
+use crate::algo::qexact_f32::{QExactF32, QExactF32Plan};
 use crate::algo::qgemm::{QGemm, QGemmPlan, QMode, QOut};
 use crate::algo::Algorithm;
 use crate::conv::Options;
@@ -139,11 +140,13 @@ mod sealed {
 enum QAlgo {
     Gemm(QGemm),
     Depthwise(QDepthwise),
+    ExactF32(QExactF32),
 }
 
 enum QAlgoPlan {
     Gemm(QGemmPlan),
     Depthwise(QDwPlan),
+    ExactF32(QExactF32Plan),
 }
 
 pub(crate) struct QConvInner {
@@ -390,13 +393,31 @@ impl QConv2d {
                 };
                 QAlgo::Depthwise(QDepthwise::new(&params, weights, zu, kern))
             }
+            (None, None, Some(Algorithm::Direct)) => {
+                if let Some(why) = QExactF32::rejects(&params) {
+                    return Err(Error::AlgorithmUnsupported {
+                        algorithm: "direct",
+                        reason: format!("int8 runs direct through the f32 kernels, but {why}"),
+                    });
+                }
+                let direct = Some(Algorithm::Direct);
+                QAlgo::ExactF32(QExactF32::new(
+                    &params, weights, bias, zu, isa, &options, direct,
+                )?)
+            }
+            // Grouped, a few channels a group: the int8 GEMM's panels are mostly padding.
+            (None, None, None) if params.groups > 1 && QExactF32::rejects(&params).is_none() => {
+                QAlgo::ExactF32(QExactF32::new(
+                    &params, weights, bias, zu, isa, &options, None,
+                )?)
+            }
             (None, None, None) => {
                 QAlgo::Gemm(QGemm::new(&params, weights, &out, zu, cpu::qgemm(isa))?)
             }
             (None, None, Some(a)) => {
                 return Err(Error::AlgorithmUnsupported {
                     algorithm: a.name(),
-                    reason: "int8 convolutions run im2col_gemm or depthwise".into(),
+                    reason: "int8 convolutions run im2col_gemm, depthwise or direct".into(),
                 })
             }
         };
@@ -432,6 +453,7 @@ impl QConv2d {
         let algo = match &self.inner.algo {
             QAlgo::Gemm(a) => QAlgoPlan::Gemm(a.plan(&geometry, threads, flip)),
             QAlgo::Depthwise(a) => QAlgoPlan::Depthwise(a.plan(&geometry, threads)),
+            QAlgo::ExactF32(a) => QAlgoPlan::ExactF32(a.plan(&geometry, threads)?),
         };
         Ok(QPlan {
             conv: self.inner.clone(),
@@ -480,6 +502,7 @@ impl QPlan {
         match &*self.algo {
             QAlgoPlan::Gemm(p) => p.workspace_bytes(),
             QAlgoPlan::Depthwise(p) => p.workspace_bytes(),
+            QAlgoPlan::ExactF32(p) => p.workspace_bytes(),
         }
     }
 
@@ -488,6 +511,10 @@ impl QPlan {
         match &self.conv.algo {
             QAlgo::Gemm(a) => format!("im2col_gemm/{}", a.kernel_name()),
             QAlgo::Depthwise(a) => format!("depthwise/{}", a.kernel_name()),
+            QAlgo::ExactF32(_) => match &*self.algo {
+                QAlgoPlan::ExactF32(p) => format!("exact_f32/{}", QExactF32::kernel_name(p)),
+                _ => unreachable!("a plan is made by its convolution's algorithm"),
+            },
         }
     }
 
@@ -571,6 +598,9 @@ impl QPlan {
             (QAlgo::Gemm(a), QAlgoPlan::Gemm(p)) => a.run(p, g, out, x, flip, residual, y, s),
             (QAlgo::Depthwise(a), QAlgoPlan::Depthwise(p)) => {
                 a.run(p, g, out, x, flip, residual, y, s)
+            }
+            (QAlgo::ExactF32(a), QAlgoPlan::ExactF32(p)) => {
+                a.run(p, g, out, x, flip, residual, y, bytemuck::cast_slice_mut(s))
             }
             _ => unreachable!("a plan is made by its convolution's algorithm"),
         }

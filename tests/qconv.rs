@@ -58,6 +58,16 @@ struct Case {
 /// A random quantized convolution: any shape, or (`dw`) a depthwise one, of a fixed square
 /// kernel and stride where `dw` says so.
 fn random_case(rng: &mut Rng, dw: Option<Option<(usize, usize)>>) -> Case {
+    random_case_with(rng, dw, None)
+}
+
+/// As [`random_case`]; `direct`: an NCHW convolution of this square kernel and stride,
+/// dilation 1 (the shapes the f32 direct kernels take).
+fn random_case_with(
+    rng: &mut Rng,
+    dw: Option<Option<(usize, usize)>>,
+    direct: Option<(usize, usize)>,
+) -> Case {
     let groups = pick(rng, &[1, 1, 1, 2, 3]) as usize;
     let depthwise = dw.is_some() || rng.next_u64().is_multiple_of(6);
     let (cin, cout) = if depthwise {
@@ -70,8 +80,8 @@ fn random_case(rng: &mut Rng, dw: Option<Option<(usize, usize)>>) -> Case {
         )
     };
     let groups = if depthwise { cin } else { groups };
-    let (kernel, stride, dilation) = match dw {
-        Some(Some((k, s))) => ([k, k], [s, s], [1, 1]),
+    let (kernel, stride, dilation) = match (dw, direct) {
+        (Some(Some((k, s))), _) | (_, Some((k, s))) => ([k, k], [s, s], [1, 1]),
         _ => (
             [int(rng, 1, 5) as usize, int(rng, 1, 5) as usize],
             [int(rng, 1, 3) as usize, int(rng, 1, 3) as usize],
@@ -88,7 +98,10 @@ fn random_case(rng: &mut Rng, dw: Option<Option<(usize, usize)>>) -> Case {
             right: int(rng, 0, 3) as usize,
         },
     };
-    let layout = pick(rng, &[Layout::Nchw, Layout::Nhwc]);
+    let layout = match direct {
+        Some(_) => Layout::Nchw,
+        None => pick(rng, &[Layout::Nchw, Layout::Nhwc]),
+    };
     let span = |k: usize, d: usize| (k - 1) * d + 1;
     let h = span(kernel[0], dilation[0]) + int(rng, 0, 12) as usize;
     let w = span(kernel[1], dilation[1]) + int(rng, 0, if dw.is_some() { 90 } else { 20 }) as usize;
@@ -360,6 +373,64 @@ fn every_int8_depthwise_kernel_is_exact_on_random_cases() {
             );
         }
     }
+}
+
+/// Short sums (grouped layers take this route by default) through the f32 kernels, at every
+/// ISA level: the f32 path's own choice, and its direct kernels forced where they take the
+/// shape. Exact, as the int8 kernels.
+#[test]
+fn short_sums_through_f32_are_exact() {
+    let n = cases(150);
+    for &isa in Isa::available() {
+        let mut rng = Rng::new(0xf32 + isa as u64);
+        let (mut default, mut direct) = (0, 0);
+        for i in 0..n {
+            let (k, s) = pick(&mut rng, &[(3, 1), (3, 2), (4, 4), (7, 2), (2, 1)]);
+            let c = random_case_with(&mut rng, None, Some((k, s)));
+            for algorithm in [None, Some(convkit::Algorithm::Direct)] {
+                let opts = Options {
+                    isa: Some(isa),
+                    algorithm,
+                    ..Options::default()
+                };
+                match run_with(&c, opts) {
+                    Ok(()) if algorithm.is_none() => default += (c.params.groups > 1) as usize,
+                    Ok(()) => direct += 1,
+                    // Direct takes the kernel sizes and strides it was generated for.
+                    Err(e) if algorithm.is_some() && e.contains("cannot run") => {}
+                    Err(e) => panic!(
+                        "{isa:?} {algorithm:?}, case {i}: {e}\n{:?} batch {} {}x{} quant {:?}",
+                        c.params, c.batch, c.h, c.w, c.quant
+                    ),
+                }
+            }
+        }
+        // The direct kernels are generated for AVX2 and AVX-512.
+        let has_direct = matches!(isa, Isa::Avx2 | Isa::Avx512);
+        assert!(
+            default >= n as usize / 10 && (direct >= n as usize / 10 || !has_direct),
+            "{isa:?}: {default} grouped, {direct} direct"
+        );
+    }
+    // The default route for ResNeXt's groups, and its bound.
+    let q = QuantParams::u8(0.02, 128, 0.01, 0.05, 128);
+    let grouped = ConvParams::conv2d(128, 128, [3, 3]).with_groups(32);
+    let conv = QConv2d::new(
+        grouped,
+        q.clone(),
+        &vec![1; 128 * 4 * 9],
+        None,
+        Options::default(),
+    );
+    let name = conv.unwrap().plan(1, 8, 8).unwrap().kernel_name();
+    assert!(name.starts_with("exact_f32/"), "{name}");
+    let long = ConvParams::conv2d(1030, 64, [1, 1]).with_groups(2);
+    let forced = Options {
+        algorithm: Some(convkit::Algorithm::Direct),
+        ..Options::default()
+    };
+    let e = QConv2d::new(long, q, &vec![1; 64 * 515], None, forced).err();
+    assert!(e.is_some_and(|e| e.to_string().contains("2^24")));
 }
 
 /// The worst case of AVX2's `vpmaddubsw`: 255 x 127 (and 255 x -128) everywhere, which a

@@ -9,6 +9,8 @@ pub(crate) mod im2col_gemm;
 #[cfg(feature = "int8")]
 pub mod qdepthwise;
 #[cfg(feature = "int8")]
+pub(crate) mod qexact_f32;
+#[cfg(feature = "int8")]
 pub mod qgemm;
 #[cfg(feature = "int8")]
 mod transpose_u8;
@@ -91,6 +93,36 @@ impl SendPtr {
     /// The pointer (a method, so that closures capture the whole `SendPtr`, not the field).
     pub(crate) fn get(self) -> *mut f32 {
         self.0
+    }
+}
+
+/// `f(i, dst_i, src_i)` for the `i`-th chunks of `dst` and `src` (`dc` and `sc` elements):
+/// on the caller's thread for one worker, else spread over the current rayon pool.
+#[cfg(feature = "int8")]
+pub(crate) fn zip_chunks<A: Send, B: Sync>(
+    workers: usize,
+    dst: &mut [A],
+    dc: usize,
+    src: &[B],
+    sc: usize,
+    f: impl Fn(usize, &mut [A], &[B]) + Sync,
+) {
+    #[cfg(feature = "threads")]
+    if workers > 1 {
+        use rayon::prelude::*;
+        let n = dst.len().div_ceil(dc);
+        // A few chunks a worker, for balance.
+        let per = n.div_ceil(4 * workers).max(1);
+        return dst
+            .par_chunks_mut(dc)
+            .zip(src.par_chunks(sc))
+            .enumerate()
+            .with_min_len(per)
+            .for_each(|(i, (d, s))| f(i, d, s));
+    }
+    let _ = workers;
+    for (i, (d, s)) in dst.chunks_mut(dc).zip(src.chunks(sc)).enumerate() {
+        f(i, d, s);
     }
 }
 
