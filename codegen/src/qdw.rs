@@ -186,16 +186,11 @@ fn emit(k: usize, s: usize) -> TokenStream {
     // the four inputs under the taps of output `packed_output(s, r, j)`. The four sums are
     // requantised, packed to bytes (`vpackssdw`, `vpackuswb` on the low bytes: the truncation
     // `vpmovdb` does) and put in output order by one `vpermb`: 64 outputs a step.
-    let packed_perm: Vec<i8> = {
-        let mut perm = vec![0i8; 64];
-        for r in 0..4 {
-            for j in 0..LANES {
-                // After the packs, the byte of vector r's lane j sits at 16 (j / 4) + 4 r + j % 4.
-                perm[packed_output(s, r, j)] = (16 * (j / 4) + 4 * r + j % 4) as i8;
-            }
-        }
-        perm
-    };
+    let packed_store = pack_store(
+        |r, j| packed_output(s, r, j),
+        quote!(y.add(x)),
+        quote!(ow - x),
+    );
     let packed_sums = (0..4).map(|r| {
         let acc = format_ident!("p{}", r);
         let t = (0..k).flat_map(|ky| {
@@ -216,8 +211,6 @@ fn emit(k: usize, s: usize) -> TokenStream {
         }
     });
     let packed_rows = quote! {
-        let perm = _mm512_loadu_si512([#(#packed_perm),*].as_ptr() as *const __m512i);
-        let low = _mm512_set1_epi16(0xFF);
         for oy in 0..oh {
             let row = plane.add(oy * #s_l * wp);
             let y = out.add(oy * ow);
@@ -225,15 +218,7 @@ fn emit(k: usize, s: usize) -> TokenStream {
             while x < ow {
                 let b = row.add(x * #s_l);
                 #(#packed_sums)*
-                let p01 = _mm512_and_si512(_mm512_packs_epi32(p0, p1), low);
-                let p23 = _mm512_and_si512(_mm512_packs_epi32(p2, p3), low);
-                let v = _mm512_permutexvar_epi8(perm, _mm512_packus_epi16(p01, p23));
-                let left = ow - x;
-                if left >= 64 {
-                    _mm512_storeu_si512(y.add(x) as *mut __m512i, v);
-                } else {
-                    _mm512_mask_storeu_epi8(y.add(x) as *mut i8, (1u64 << left) - 1, v);
-                }
+                #packed_store
                 x += 64;
             }
         }
@@ -246,9 +231,11 @@ fn emit(k: usize, s: usize) -> TokenStream {
         quote!()
     };
     let flat_tail = if unroll(k) == 4 {
-        let perm: Vec<i8> = (0..64usize)
-            .map(|o| (16 * (o % 16 / 4) + 4 * (o / 16) + o % 4) as i8)
-            .collect();
+        let store = pack_store(
+            |u, j| 16 * u + j,
+            quote!(out.add(first)),
+            quote!(oh * ow - first),
+        );
         let requant = (0..4usize).map(|u| {
             let (acc, p) = (format_ident!("acc{}", u), format_ident!("p{}", u));
             let q = requantize(&acc);
@@ -257,17 +244,7 @@ fn emit(k: usize, s: usize) -> TokenStream {
         quote! {
             if matches!(ep.mode, QMode::Q8) {
                 #(#requant)*
-                let low = _mm512_set1_epi16(0xFF);
-                let p01 = _mm512_and_si512(_mm512_packs_epi32(p0, p1), low);
-                let p23 = _mm512_and_si512(_mm512_packs_epi32(p2, p3), low);
-                let perm = _mm512_loadu_si512([#(#perm),*].as_ptr() as *const __m512i);
-                let v = _mm512_permutexvar_epi8(perm, _mm512_packus_epi16(p01, p23));
-                let left = oh * ow - first;
-                if left >= 64 {
-                    _mm512_storeu_si512(out.add(first) as *mut __m512i, v);
-                } else {
-                    _mm512_mask_storeu_epi8(out.add(first) as *mut i8, (1u64 << left) - 1, v);
-                }
+                #store
             } else {
                 #(#flat_stores)*
             }
@@ -347,4 +324,34 @@ fn packed_output(s: usize, r: usize, j: usize) -> usize {
 /// narrowing): scaled, clamped, rounded, the zero point added.
 fn requantize(acc: &proc_macro2::Ident) -> TokenStream {
     quote!(_mm512_add_epi32(_mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(#acc), scale), lo), hi)), zp))
+}
+
+/// Packs the requantised sums `p0..p3` to bytes (`vpackssdw`, then `vpackuswb` of the low
+/// bytes: the truncation `vpmovdb` does), puts them in output order and stores the first
+/// `left` (at most 64) at `dst`. `output(r, j)`: the output (of 64) lane `j` of `p{r}` is.
+fn pack_store(
+    output: impl Fn(usize, usize) -> usize,
+    dst: TokenStream,
+    left: TokenStream,
+) -> TokenStream {
+    let mut perm = vec![0i8; 64];
+    for r in 0..4 {
+        for j in 0..LANES {
+            // After the packs, lane j of p{r} is byte 16 (j / 4) + 4 r + j % 4.
+            perm[output(r, j)] = (16 * (j / 4) + 4 * r + j % 4) as i8;
+        }
+    }
+    quote! {
+        let low = _mm512_set1_epi16(0xFF);
+        let p01 = _mm512_and_si512(_mm512_packs_epi32(p0, p1), low);
+        let p23 = _mm512_and_si512(_mm512_packs_epi32(p2, p3), low);
+        let perm = _mm512_loadu_si512([#(#perm),*].as_ptr() as *const __m512i);
+        let v = _mm512_permutexvar_epi8(perm, _mm512_packus_epi16(p01, p23));
+        let (dst, left) = (#dst, #left);
+        if left >= 64 {
+            _mm512_storeu_si512(dst as *mut __m512i, v);
+        } else {
+            _mm512_mask_storeu_epi8(dst as *mut i8, (1u64 << left) - 1, v);
+        }
+    }
 }

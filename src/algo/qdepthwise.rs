@@ -136,7 +136,8 @@ impl QDepthwise {
         let wp = g.pad_left + g.w + g.pad_right;
         let nhwc = g.layout == Layout::Nhwc;
         let eb = 4; // the largest output element; planes of bytes are smaller
-                    // Flat-mode vectors past the last output read up to two output rows further.
+
+        // Flat-mode vectors past the last output read up to two output rows further.
         let plane = ((hp + 2 * g.sh + 2) * wp + SLACK).next_multiple_of(64);
         // At least four items a thread, for balance.
         let block = (BLOCK_BYTES / plane)
@@ -215,7 +216,7 @@ impl QDepthwise {
             let (b, c0) = (item / blocks, item % blocks * plan.block);
             let cs = plan.block.min(g.c_in - c0);
             // Every plane of the block first: the kernels then read planes whose stores have
-            // long retired (a load over several just-issued masked stores stalls).
+            // long retired (a load over several just-issued stores waits for them).
             for (i, plane) in scratch.chunks_exact_mut(plan.plane).take(cs).enumerate() {
                 let ci = c0 + i;
                 // The channel's image and whatever follows it (read, never used, by loads
