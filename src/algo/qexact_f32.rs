@@ -8,7 +8,8 @@
 //! in any order of summation and with or without FMA. The f32 convolution (never Winograd:
 //! `Precision::Exact`) of the centred input therefore gives the exact integer sums, zero
 //! padding standing for the zero point as it should; the bias and the int8 epilogue follow,
-//! so the outputs equal the int8 kernels' bit for bit.
+//! so the outputs equal the int8 kernels' bit for bit. Images run one at a time: the
+//! workspace holds one image's input and output in f32, and the f32 plan's own.
 
 use super::backward_gemm::isa_dispatch;
 use super::qgemm::{requantize, QMode, QOut};
@@ -88,7 +89,8 @@ impl QExactF32 {
 
     pub(crate) fn plan(&self, g: &Geometry, threads: usize) -> Result<QExactF32Plan> {
         Ok(QExactF32Plan {
-            plan: self.conv.plan(g.batch, g.h, g.w)?,
+            // One image at a time: the f32 copies stay one image's size whatever the batch.
+            plan: self.conv.plan(1, g.h, g.w)?,
             workers: threads,
         })
     }
@@ -111,18 +113,6 @@ impl QExactF32 {
         let (x, rest) = scratch.split_at_mut(n_in);
         let (y, rest) = rest.split_at_mut(n_out);
         let (isa, zu) = (self.isa, self.zu);
-        zip_chunks(
-            plan.workers,
-            x,
-            CHUNK,
-            &input[..n_in],
-            CHUNK,
-            |_, x, input| {
-                // SAFETY: the plan's ISA is one this CPU has (checked at create).
-                unsafe { center_at(isa, input, flip, zu, x) }
-            },
-        );
-        plan.plan.run_scratch(x, None, y, rest);
         // Chunks of whole channel planes (NCHW) or whole pixels (NHWC).
         let run = match g.layout {
             Layout::Nchw => g.oh * g.ow,
@@ -131,19 +121,29 @@ impl QExactF32 {
         let rows = CHUNK.div_ceil(run);
         let eb = out.elem_bytes();
         let zmm = isa == Isa::Avx512;
-        zip_chunks(
-            plan.workers,
-            output,
-            rows * run * eb,
-            y,
-            rows * run,
-            |i, o, y| {
-                let at = i * rows * run;
-                let res = residual.map(|r| &r[at..at + y.len()]);
-                // SAFETY: as above.
-                unsafe { epilogue_at(isa, y, &self.bias, out, g.layout, run, at, zmm, res, o) }
-            },
-        );
+        for b in 0..g.batch {
+            let image = &input[b * n_in..(b + 1) * n_in];
+            zip_chunks(plan.workers, x, CHUNK, image, CHUNK, |_, x, input| {
+                // SAFETY: the plan's ISA is one this CPU has (checked at create).
+                unsafe { center_at(isa, input, flip, zu, x) }
+            });
+            plan.plan.run_scratch(x, None, y, rest);
+            let o = &mut output[b * n_out * eb..(b + 1) * n_out * eb];
+            let residual = residual.map(|r| &r[b * n_out..(b + 1) * n_out]);
+            zip_chunks(
+                plan.workers,
+                o,
+                rows * run * eb,
+                y,
+                rows * run,
+                |i, o, y| {
+                    let at = i * rows * run;
+                    let res = residual.map(|r| &r[at..at + y.len()]);
+                    // SAFETY: as above.
+                    unsafe { epilogue_at(isa, y, &self.bias, out, g.layout, run, at, zmm, res, o) }
+                },
+            );
+        }
     }
 }
 
