@@ -49,6 +49,20 @@ const SLACK: usize = 128;
 /// blocks of up to this many bytes (in L1), large ones one at a time.
 const BLOCK_BYTES: usize = 16 * 1024;
 
+/// Planes up to this many bytes are padded by gathers (one load and one `vpermb` a 64 bytes)
+/// rather than row by row (two loads a row of a 7x7 image, where most bytes are padding).
+const GATHER_PLANE: usize = 4096;
+
+/// How one 64-byte chunk of a padded plane is made: byte `i` is byte `idx[i]` of the 64
+/// image bytes from `src` where bit `i` of `mask` is set, else the zero point.
+#[derive(Clone, Debug)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))] // generated kernels are x86 only
+struct Gather {
+    src: usize,
+    mask: u64,
+    idx: [u8; 64],
+}
+
 pub(crate) struct QDepthwise {
     kern: Option<&'static QDwKernel>,
     /// The generated kernel's weights: per output channel, `kh` rows of i32 quads.
@@ -64,6 +78,10 @@ pub(crate) struct QDwPlan {
     /// of 16 consecutive outputs may start at, where each output's four bytes are relative to
     /// the first output's; empty where they do not fit one 64-byte load (row mode).
     table: Vec<u8>,
+    /// Small planes: how each 64 bytes of the padded plane gather from the image (see
+    /// [`gather_chunks`]); empty for large planes, which are copied a row at a time.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    gathers: Vec<Gather>,
     workers: usize,
     /// Padded plane: row length, bytes.
     wp: usize,
@@ -147,8 +165,13 @@ impl QDepthwise {
             Some(_) => flat_table(g, wp),
             None => Vec::new(),
         };
+        let gathers = match self.kern {
+            Some(_) if plane <= GATHER_PLANE => gather_chunks(g, wp, plane),
+            _ => Vec::new(),
+        };
         QDwPlan {
             table,
+            gathers,
             workers: threads.max(1).min(g.batch * g.c_in.div_ceil(block)).max(1),
             wp,
             plane,
@@ -223,9 +246,15 @@ impl QDepthwise {
                 // that run past its end).
                 let src = &x[(b * g.c_in + ci) * hw..];
                 match self.kern {
-                    // SAFETY: a generated kernel was chosen, so the CPU has AVX-512BW (checked
-                    // at create); `src` holds the h x w image, and the plane (a multiple of 64
-                    // bytes) holds the padded rows, since `plan.plane` counts them.
+                    // SAFETY: a generated kernel was chosen, so the CPU has AVX-512BW and VBMI
+                    // (checked at create); `src` holds the h x w image, and the plane (a
+                    // multiple of 64 bytes) holds the padded rows and every gather's chunk,
+                    // since `plan.plane` counts them.
+                    #[cfg(target_arch = "x86_64")]
+                    Some(_) if !plan.gathers.is_empty() => unsafe {
+                        gather_plane_avx512(src, &plan.gathers, plane, self.zu, flip)
+                    },
+                    // SAFETY: as above.
                     #[cfg(target_arch = "x86_64")]
                     Some(_) => unsafe { pad_plane_avx512(src, g, plan.wp, plane, self.zu, flip) },
                     _ => pad_plane(src, g, plan.wp, plane, self.zu, flip),
@@ -372,6 +401,66 @@ unsafe fn pad_plane_avx512(
             // its end are the padding there, or bytes the next row's stores write again.
             _mm512_storeu_si512(d.add(x) as *mut __m512i, v);
         }
+    }
+}
+
+/// The chunks of a padded plane of `plane` bytes, rows `wp` apart. The image bytes a chunk
+/// holds are consecutive in the image (its rows are contiguous, the padding only adds
+/// bytes), so one 64-byte load from the first of them holds all.
+fn gather_chunks(g: &Geometry, wp: usize, plane: usize) -> Vec<Gather> {
+    (0..plane / 64)
+        .map(|c| {
+            let mut at = Vec::new();
+            for i in 0..64 {
+                let (r, col) = ((64 * c + i) / wp, (64 * c + i) % wp);
+                let (iy, ix) = (r.wrapping_sub(g.pad_top), col.wrapping_sub(g.pad_left));
+                if iy < g.h && ix < g.w {
+                    at.push((i, iy * g.w + ix));
+                }
+            }
+            let src = at.first().map_or(0, |a| a.1);
+            let (mut mask, mut idx) = (0u64, [0u8; 64]);
+            for (i, s) in at {
+                mask |= 1 << i;
+                idx[i] = (s - src) as u8;
+            }
+            Gather { src, mask, idx }
+        })
+        .collect()
+}
+
+/// [`pad_plane`] through the plan's [`Gather`]s: per 64 bytes of the plane, one load, one
+/// `vpermb`, one blend with the zero point.
+///
+/// # Safety
+/// The CPU must have AVX-512F/BW and VBMI; `plane` must hold `64 * gathers.len()` bytes;
+/// `src` the image (each gather's bytes).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vbmi")]
+unsafe fn gather_plane_avx512(src: &[u8], gathers: &[Gather], plane: &mut [u8], zu: u8, flip: u8) {
+    use std::arch::x86_64::*;
+    assert!(plane.len() >= 64 * gathers.len());
+    let z = _mm512_set1_epi8(zu as i8);
+    let f = _mm512_set1_epi8(flip as i8);
+    for (c, ch) in gathers.iter().enumerate() {
+        let v = if ch.mask == 0 {
+            z
+        } else {
+            assert!(ch.src < src.len());
+            // A plain load where 64 bytes remain (masked loads are slow), masked at the end.
+            let left = src.len() - ch.src;
+            let raw = if left >= 64 {
+                _mm512_loadu_si512(src.as_ptr().add(ch.src) as *const __m512i)
+            } else {
+                _mm512_maskz_loadu_epi8((1u64 << left) - 1, src.as_ptr().add(ch.src) as *const i8)
+            };
+            let g = _mm512_xor_si512(
+                _mm512_permutexvar_epi8(_mm512_loadu_si512(ch.idx.as_ptr() as *const __m512i), raw),
+                f,
+            );
+            _mm512_mask_blend_epi8(ch.mask, z, g)
+        };
+        _mm512_storeu_si512(plane.as_mut_ptr().add(64 * c) as *mut __m512i, v);
     }
 }
 
