@@ -400,19 +400,18 @@ impl QConv2d {
                         reason: format!("int8 runs direct through the f32 kernels, but {why}"),
                     });
                 }
-                let direct = Some(Algorithm::Direct);
-                QAlgo::ExactF32(QExactF32::new(
-                    &params, weights, bias, zu, isa, &options, direct,
-                )?)
-            }
-            // Grouped, a few channels a group: the int8 GEMM's panels are mostly padding.
-            (None, None, None) if params.groups > 1 && QExactF32::rejects(&params).is_none() => {
-                QAlgo::ExactF32(QExactF32::new(
-                    &params, weights, bias, zu, isa, &options, None,
-                )?)
+                QAlgo::ExactF32(QExactF32::new(&params, weights, bias, zu, isa, &options)?)
             }
             (None, None, None) => {
-                QAlgo::Gemm(QGemm::new(&params, weights, &out, zu, cpu::qgemm(isa))?)
+                // Grouped, a few channels a group: the int8 GEMM's panels are mostly padding,
+                // where the f32 direct kernels (NCHW, their sizes and strides) run near peak.
+                let exact = (params.groups > 1 && QExactF32::rejects(&params).is_none())
+                    .then(|| QExactF32::new(&params, weights, bias, zu, isa, &options))
+                    .and_then(|r| r.ok());
+                match exact {
+                    Some(a) => QAlgo::ExactF32(a),
+                    None => QAlgo::Gemm(QGemm::new(&params, weights, &out, zu, cpu::qgemm(isa))?),
+                }
             }
             (None, None, Some(a)) => {
                 return Err(Error::AlgorithmUnsupported {

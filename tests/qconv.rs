@@ -377,9 +377,9 @@ fn every_int8_depthwise_kernel_is_exact_on_random_cases() {
     }
 }
 
-/// Short sums (grouped layers take this route by default) through the f32 kernels, at every
-/// ISA level: the f32 path's own choice, and its direct kernels forced where they take the
-/// shape. Exact, as the int8 kernels.
+/// Short sums through the f32 direct kernels, at every ISA level: the default choice (grouped
+/// NCHW layers a direct kernel takes), and the direct kernels forced. Exact, as the int8
+/// kernels.
 #[test]
 fn short_sums_through_f32_are_exact() {
     let n = cases(150);

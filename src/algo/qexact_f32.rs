@@ -1,12 +1,11 @@
 //! int8 convolutions with short sums through the f32 kernels, exactly.
 //!
 //! A grouped convolution with few channels a group (ResNeXt's 4) sums few products: the int8
-//! GEMM's packed panels are mostly padding there, while the f32 direct kernels run such layers
-//! near peak. With `k` products of a centred input (`x - zero_point`, at most 255 in
+//! GEMM's packed panels are mostly padding there, while the f32 direct kernels (NCHW, the
+//! kernel sizes and strides the generator made) run such layers near peak. With `k` products of a centred input (`x - zero_point`, at most 255 in
 //! magnitude) by an i8 weight (at most 128), every partial sum is an integer of magnitude at
 //! most `k · 255 · 128`; for `k <= MAX_K` that is below 2^24, so f32 holds each one exactly,
-//! in any order of summation and with or without FMA. The f32 convolution (never Winograd:
-//! `Precision::Exact`) of the centred input therefore gives the exact integer sums, zero
+//! in any order of summation and with or without FMA. The f32 direct convolution of the centred input therefore gives the exact integer sums, zero
 //! padding standing for the zero point as it should; the bias and the int8 epilogue follow,
 //! so the outputs equal the int8 kernels' bit for bit. Images run one at a time: the
 //! workspace holds one image's input and output in f32, and the f32 plan's own.
@@ -56,7 +55,8 @@ impl QExactF32 {
         })
     }
 
-    /// `algorithm`: the f32 algorithm to force (Direct), or None for the f32 path's choice.
+    /// Through the f32 direct kernels: an `AlgorithmUnsupported` error where none takes `p`
+    /// (they run NCHW, at the kernel sizes and strides the generator made).
     pub(crate) fn new(
         p: &ConvParams,
         weights: &[i8],
@@ -64,13 +64,12 @@ impl QExactF32 {
         zu: u8,
         isa: Isa,
         options: &Options,
-        algorithm: Option<Algorithm>,
     ) -> Result<Self> {
         let mut params = *p;
         params.activation = Activation::None;
         let w: Vec<f32> = weights.iter().map(|&v| v as f32).collect();
         let opts = Options {
-            algorithm,
+            algorithm: Some(Algorithm::Direct),
             kernel: None,
             precision: Precision::Exact,
             ..*options
