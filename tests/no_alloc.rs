@@ -226,6 +226,13 @@ fn quantized_run_does_not_allocate() {
         ),
         (dw(Layout::Nchw), "depthwise/"),
         (dw(Layout::Nhwc), "depthwise/"),
+        // Grouped, 4 channels a group: exactly through the f32 direct kernels.
+        (
+            ConvParams::conv2d(32, 32, [3, 3])
+                .with_groups(8)
+                .with_padding(Padding::Same),
+            "exact_f32/",
+        ),
     ];
     let mut ws = Workspace::new();
     for (params, path) in layers {
