@@ -18,13 +18,14 @@ use proc_macro2::{Ident, TokenStream};
 use quote::{format_ident, quote};
 
 /// Output rows an NCHW kernel keeps in registers: each input row loaded feeds up to this
-/// many output rows. The 8-lane AVX-512 kernels, for images at most 8 wide, keep 8 (32
-/// registers hold them), so a whole 7x7 plane is one block.
+/// many output rows, and as many multiply-add chains run side by side. Beside them sit one
+/// tap column's weights (7 at most) and the input vector: 16 registers at AVX-512 (32 there),
+/// 14 of AVX2's 16. A whole 7x7 plane is one block of the 8-lane AVX-512 kernels.
 fn rows(spec: &DwSpec) -> usize {
-    if spec.ymm {
-        8
-    } else {
-        4
+    match spec.isa {
+        Isa::Avx512 => 8,
+        Isa::Avx2 => 6,
+        _ => 4,
     }
 }
 
@@ -505,30 +506,30 @@ fn emit_nchw(v: &Simd, spec: &DwSpec) -> TokenStream {
     let paired = s == 2 && l > 1;
     // Floats one tap's vector load reads, from its first.
     let span = if paired { 2 * l } else { (l - 1) * s + 1 };
-    let weights = (0..k * k).map(|i| {
-        let w = format_ident!("w{}", i);
-        let i = lit(i);
-        quote!(let #w = #splat(*a.weights.add(#i));)
-    });
     let block = |rows: usize, inside: bool| {
         let accs: Vec<Ident> = (0..rows).map(|r| format_ident!("acc{}", r)).collect();
         let decls = accs.iter().map(|c| quote!(let mut #c = #zero;));
-        let in_rows = (0..(rows - 1) * s + k).map(|j| {
-            let uses = row_uses(j, rows, s, k);
-            let taps = (0..k).map(|kx_n| {
+        // Tap column outermost: its k weights stay in registers while every input row of the
+        // block passes, instead of all k*k weights (49 for 7x7) spilling to memory operands.
+        let in_rows = (0..k).map(|kx_n| {
+            let rows_kx = (0..(rows - 1) * s + k).map(|j| {
                 let load = tap_load(v, inside, paired, kx_n);
-                let fmas = uses.iter().map(|&(r, ky)| {
+                let fmas = row_uses(j, rows, s, k).into_iter().map(|(r, ky)| {
                     let c = &accs[r];
                     let w = format_ident!("w{}", ky * k + kx_n);
                     let f = fma(quote!(#c), quote!(x), quote!(#w));
                     quote!(#c = #f;)
                 });
-                quote! {
-                    let x = #load;
-                    #(#fmas)*
-                }
+                input_row(j, quote!(a.input), quote!(let x = #load; #(#fmas)*))
             });
-            input_row(j, quote!(a.input), quote!(#(#taps)*))
+            // Loaded here, not once per call: the compiler cannot hoist them past the
+            // block's stores, so they are not kept in 49 spilled vectors.
+            let ws = (0..k).map(|ky| {
+                let w = format_ident!("w{}", ky * k + kx_n);
+                let i = lit(ky * k + kx_n);
+                quote!(let #w = #splat(*a.weights.add(#i));)
+            });
+            quote!(#(#ws)* #(#rows_kx)*)
         });
         // Rows past the band (its last block) are computed but not stored: one loop for
         // every block keeps the rows' chains of multiply-adds side by side.
@@ -574,7 +575,6 @@ fn emit_nchw(v: &Simd, spec: &DwSpec) -> TokenStream {
         #attrs
         pub unsafe fn #name(a: &DwArgs) {
             #head
-            #(#weights)*
             #body
         }
     }

@@ -823,16 +823,16 @@ fn blocked_scratch(g: &Geometry, kern: &DwKernel) -> usize {
 }
 
 /// The rule between the NCHW modes, from `convkit bench` on the suite's depthwise layers (one
-/// thread, AMD EPYC Zen 4 with AVX-512, three interleaved rounds, GFLOP/s planes vs blocked):
-/// 5x5 and 7x7 kernels gain from blocking at every size (5x5 on 28x28: 31-36 vs 43-46; 7x7
-/// on 56x56 about 50 vs 72-78, on 7x7 25-33 vs 42-56: the channel kernel's loads are a
-/// fraction of its multiply-adds and its addresses constant offsets), 3x3 kernels only on
-/// images at most 8 wide (7x7: 9-14 vs 14-21; 28x28: 22-31 vs 23-24; 112x112: 40-41 vs
-/// 26-28; stride 2 on 112x112: 10-13 vs 11-13).
+/// thread, AMD EPYC Zen 4, three to five interleaved rounds, GFLOP/s planes vs blocked): since
+/// the plane kernels keep one tap column's weights in registers (8 output rows at AVX-512, 6
+/// at AVX2), planes win at every size for 5x5 and 7x7 (AVX-512: 7x7 on 56x56 85 vs 72, on
+/// 14x14 64 vs 51, on 7x7 49 vs 41 through the 8-lane kernel; 5x5 on 28x28 60 vs 45; AVX2:
+/// 7x7 on 56x56 69 vs 41, on 28x28 46 vs 50, on 7x7 34 vs 30; 5x5 53 vs 34), and 3x3
+/// everywhere but on images at most 8 wide (7x7: 16 vs 17 at AVX-512, 11 vs 12 at AVX2;
+/// 28x28: 40 vs 26).
 fn blocked_wins(g: &Geometry, channel_kernel: &DwKernel) -> bool {
     match channel_kernel.fixed {
-        Some((k, _)) if k >= 5 => true,
-        Some(_) => g.ow <= 8,
+        Some((k, _)) => k <= 3 && g.ow <= 8,
         // The generic kernels, planes vs blocked: 4x4 on 56x56 10-11 vs 24-31; 9x9 on 28x28
         // 16 vs 41-46; 3x3 dilation 2 on 28x28 13 vs 16; 3x3 stride 3 on 56x56 1.9 vs 6.
         None => true,
