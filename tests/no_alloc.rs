@@ -84,13 +84,14 @@ fn run_does_not_allocate() {
                 .with_activation(Activation::Relu),
             "im2col_gemm/",
         ),
-        // Depthwise 7x7: the blocked mode, whose transposes use the workspace.
+        // Depthwise 4x4 (the generic kernel): the blocked mode, whose transposes use the
+        // workspace.
         (
-            ConvParams::conv2d(24, 24, [7, 7])
+            ConvParams::conv2d(24, 24, [4, 4])
                 .with_groups(24)
                 .with_padding(Padding::Same)
                 .with_activation(Activation::Gelu),
-            "depthwise/transpose16+dw_f32_k7s1_nhwc",
+            "depthwise/transpose16+dw_f32_generic_nhwc",
         ),
         (
             ConvParams::conv2d(24, 24, [5, 5])

@@ -219,8 +219,8 @@ pub fn dw_f32() -> Vec<DwSpec> {
 
 /// The 16-bit depthwise kernels (f16 and bf16 tensors, f32 arithmetic), for the memory-bound
 /// layers where half the bytes pay: at AVX2 and AVX-512, the NHWC kernel of every shape of
-/// [`DW_SHAPES`], the NCHW plane kernels of the 3x3 shapes (NCHW 5x5 and 7x7 run the blocked
-/// mode, whose transposes convert), and the generic kernels; at the scalar level (the
+/// [`DW_SHAPES`], the NCHW plane kernels of the 3x3 shapes (NCHW 5x5 and 7x7 run the f32
+/// plane kernels on tiles converted in L1), and the generic kernels; at the scalar level (the
 /// fallback everywhere), the generic kernels only. Other shapes and ISAs convert bands of rows
 /// around the f32 kernels.
 pub fn dw_half() -> Vec<DwSpec> {
