@@ -11,6 +11,7 @@
 
 use super::qgemm::{requantize, transpose_block, QMode, QOut};
 use super::{for_each_worker, SendPtr};
+use crate::cpu::Isa;
 use crate::params::Geometry;
 use crate::{Activation, ConvParams, Layout};
 
@@ -110,6 +111,15 @@ impl QDepthwise {
              dilation {:?}",
             k.name, k.k, k.k, k.s, p.kernel, p.stride, p.dilation
         ))
+    }
+
+    /// The level of the NHWC transposes: the generated kernels are all AVX-512 (VNNI).
+    fn transpose_isa(&self) -> Isa {
+        if self.kern.is_some() {
+            Isa::Avx512
+        } else {
+            Isa::Scalar
+        }
     }
 
     pub(crate) fn new(
@@ -220,6 +230,7 @@ impl QDepthwise {
                     &mut in_copy[b * n..(b + 1) * n],
                     hw,
                     flip,
+                    self.transpose_isa(),
                 );
             }
             (&in_copy[..], 0)
@@ -326,6 +337,7 @@ impl QDepthwise {
                         eb,
                         output.as_mut_ptr().add(b * n),
                         g.c_out,
+                        self.transpose_isa(),
                     )
                 };
             }

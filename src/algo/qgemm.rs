@@ -306,7 +306,7 @@ impl QGemm {
     ) {
         let (copy, scratch) = scratch[..plan.workspace_bytes()].split_at_mut(plan.input_copy);
         let x: &[u8] = if plan.input_copy > 0 {
-            to_nhwc_u8(input, copy, g, flip, plan.workers);
+            to_nhwc_u8(input, copy, g, flip, plan.workers, self.kern.isa);
             copy
         } else {
             input
@@ -460,7 +460,7 @@ impl QGemm {
         if g.layout == Layout::Nchw {
             let plane0 = (img * g.c_out + grp * g.cout_g() + c0) * pixels + p0;
             let base = (y.get() as *mut u8).add(plane0 * eb);
-            transpose_block(cblock, plan.cchunk, np, nc, eb, base, pixels);
+            transpose_block(cblock, plan.cchunk, np, nc, eb, base, pixels, self.kern.isa);
         }
         // F32 output: residual and activations over the finished block.
         if out.mode == QMode::F32 && (residual.is_some() || out.activation != Activation::None) {
@@ -625,7 +625,7 @@ fn copy_small(dst: &mut [u8], src: &[u8]) {
 
 /// The input as NHWC u8: NCHW transposed, i8 shifted by 128 (`flip` = 0x80), by `workers`
 /// workers, each a range of pixels of every image.
-fn to_nhwc_u8(input: &[u8], dst: &mut [u8], g: &Geometry, flip: u8, workers: usize) {
+fn to_nhwc_u8(input: &[u8], dst: &mut [u8], g: &Geometry, flip: u8, workers: usize, isa: Isa) {
     let (c, hw) = (g.c_in, g.h * g.w);
     let pixels = g.batch * hw;
     let per = pixels.div_ceil(workers.max(1)).max(1);
@@ -652,7 +652,7 @@ fn to_nhwc_u8(input: &[u8], dst: &mut [u8], g: &Geometry, flip: u8, workers: usi
                     let n = (hw - q).min(p1 - p);
                     let src = &input[b * c * hw + q..];
                     let d = &mut dst[(p - p0) * c..(p - p0 + n) * c];
-                    super::transpose_u8::transpose(src, hw, c, n, d, c, flip);
+                    super::transpose_u8::transpose(src, hw, c, n, d, c, flip, isa);
                     p += n;
                 }
             }
@@ -661,7 +661,7 @@ fn to_nhwc_u8(input: &[u8], dst: &mut [u8], g: &Geometry, flip: u8, workers: usi
 }
 
 /// Writes the `np x nc` block (`ld` elements a row, `eb` bytes each) transposed: channel `c`
-/// of pixel `p` to `base + (c * plane + p) * eb`.
+/// of pixel `p` to `base + (c * plane + p) * eb` (bytes with `isa`'s transpose).
 ///
 /// # Safety
 /// `base` must be valid for `nc` planes of `np` elements, `plane` apart.
@@ -673,12 +673,13 @@ pub(crate) unsafe fn transpose_block(
     eb: usize,
     base: *mut u8,
     plane: usize,
+    isa: Isa,
 ) {
     match eb {
         1 => {
             // SAFETY: the caller guarantees nc planes of np bytes, `plane` apart.
             let dst = std::slice::from_raw_parts_mut(base, (nc - 1) * plane + np);
-            super::transpose_u8::transpose(block, ld, np, nc, dst, plane, 0);
+            super::transpose_u8::transpose(block, ld, np, nc, dst, plane, 0, isa);
         }
         _ => {
             let src: &[u32] = bytemuck::cast_slice(&block[..(np * ld * 4).next_multiple_of(4)]);

@@ -1,10 +1,16 @@
 //! Byte-matrix transposes for the int8 paths' NCHW <-> NHWC conversions: 16x16 blocks
-//! through SSE2 unpacks on x86-64 (SSE2 is part of the x86-64 baseline), 8x8 blocks
-//! through u64 words elsewhere, element by element at the ragged edges.
+//! through SSE2 unpacks on x86-64 (SSE2 is part of the x86-64 baseline), four of them side by
+//! side in the 128-bit lanes of AVX-512 registers where the ISA allows, 8x8 blocks through
+//! u64 words elsewhere; ragged edges by one more block, overlapping (element by element only
+//! below one block).
 
-/// `dst[j * ds + i] = src[i * ss + j] ^ flip` for `i < rows`, `j < cols`.
+use crate::cpu::Isa;
+
+/// `dst[j * ds + i] = src[i * ss + j] ^ flip` for `i < rows`, `j < cols`; `isa` is the
+/// level the caller runs at (AVX-512 and up: 16x64 blocks).
 ///
 /// Panics (a bug, not bad input) if a slice is too short for the strides it is given.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn transpose(
     src: &[u8],
     ss: usize,
@@ -13,18 +19,49 @@ pub(crate) fn transpose(
     dst: &mut [u8],
     ds: usize,
     flip: u8,
+    isa: Isa,
 ) {
     if rows == 0 || cols == 0 {
         return;
     }
     assert!(src.len() >= (rows - 1) * ss + cols && dst.len() >= (cols - 1) * ds + rows);
     const B: usize = BLOCK;
-    let (rb, cb) = (rows / B * B, cols / B * B);
-    for i0 in (0..rb).step_by(B) {
-        for j0 in (0..cb).step_by(B) {
+    if rows < B || cols < B {
+        for i in 0..rows {
+            for j in 0..cols {
+                dst[j * ds + i] = src[i * ss + j] ^ flip;
+            }
+        }
+        return;
+    }
+    // Columns 64 at a time (AVX-512), then B at a time. A ragged edge is one more block
+    // flush with the end, overlapping the one before: it writes the same bytes again.
+    let cw = if wide(isa) { cols / 64 * 64 } else { 0 };
+    let starts = |from: usize, n: usize| {
+        (from..n - B + 1)
+            .step_by(B)
+            .chain(((n - from) % B != 0).then_some(n - B))
+    };
+    for i0 in starts(0, rows) {
+        #[cfg(target_arch = "x86_64")]
+        for j0 in (0..cw).step_by(64) {
+            // SAFETY: the CPU has AVX-512BW (`wide`); the block's rows i0..i0+16 of src
+            // (64 bytes each, stride ss) and rows j0..j0+64 of dst (16 bytes each, stride ds)
+            // lie inside the slices, as the assert above checked for the whole matrix.
+            unsafe {
+                block16x64(
+                    src.as_ptr().add(i0 * ss + j0),
+                    ss,
+                    dst.as_mut_ptr().add(j0 * ds + i0),
+                    ds,
+                    flip,
+                )
+            };
+        }
+        for j0 in starts(cw, cols) {
             // SAFETY: the block's rows i0..i0+B of src (stride ss) and rows j0..j0+B of dst
-            // (stride ds) lie inside the slices, as the assert above checked for the whole
-            // matrix.
+            // (stride ds) lie inside the slices (i0 + B <= rows, j0 + B <= cols), as the
+            // assert above checked for the whole matrix.
             unsafe {
                 block(
                     src.as_ptr().add(i0 * ss + j0),
@@ -34,16 +71,6 @@ pub(crate) fn transpose(
                     flip,
                 )
             };
-        }
-        for j in cb..cols {
-            for i in i0..i0 + B {
-                dst[j * ds + i] = src[i * ss + j] ^ flip;
-            }
-        }
-    }
-    for i in rb..rows {
-        for j in 0..cols {
-            dst[j * ds + i] = src[i * ss + j] ^ flip;
         }
     }
 }
@@ -63,7 +90,6 @@ const BLOCK: usize = 8;
 #[inline(always)]
 unsafe fn block(src: *const u8, ss: usize, dst: *mut u8, ds: usize, flip: u8) {
     use core::arch::x86_64::*;
-    const BITREV: [usize; 16] = [0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15];
     let f = _mm_set1_epi8(flip as i8);
     let mut r = [_mm_setzero_si128(); 16];
     for (i, reg) in r.iter_mut().enumerate() {
@@ -87,6 +113,56 @@ unsafe fn block(src: *const u8, ss: usize, dst: *mut u8, ds: usize, flip: u8) {
     }
     for (j, reg) in r.iter().enumerate() {
         _mm_storeu_si128(dst.add(j * ds) as *mut __m128i, *reg);
+    }
+}
+
+/// Rows in the order the unpack rounds want them (bit-reversed indices).
+#[cfg(target_arch = "x86_64")]
+const BITREV: [usize; 16] = [0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15];
+
+/// Whether `isa` runs the 16x64 blocks (AVX-512 has BW, which its byte unpacks need).
+fn wide(isa: Isa) -> bool {
+    cfg!(target_arch = "x86_64") && isa == Isa::Avx512
+}
+
+/// Four 16x16 blocks side by side (16 rows of 64 bytes): [`block`]'s rounds in each 128-bit
+/// lane of 512-bit registers, so a lane `l` of register `j` ends as column `16 l + j`.
+///
+/// # Safety
+/// The CPU must have AVX-512BW; `src` must be readable for 16 rows of 64 bytes `ss` apart,
+/// `dst` writable for 64 rows of 16 bytes `ds` apart.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn block16x64(src: *const u8, ss: usize, dst: *mut u8, ds: usize, flip: u8) {
+    use core::arch::x86_64::*;
+    let f = _mm512_set1_epi8(flip as i8);
+    let mut r = [_mm512_setzero_si512(); 16];
+    for (i, reg) in r.iter_mut().enumerate() {
+        *reg = _mm512_xor_si512(_mm512_loadu_si512(src.add(BITREV[i] * ss).cast()), f);
+    }
+    for round in 0..4 {
+        let mut o = [_mm512_setzero_si512(); 16];
+        for i in 0..8 {
+            let (a, b) = (r[i], r[i + 8]);
+            (o[2 * i], o[2 * i + 1]) = match round {
+                0 => (_mm512_unpacklo_epi8(a, b), _mm512_unpackhi_epi8(a, b)),
+                1 => (_mm512_unpacklo_epi16(a, b), _mm512_unpackhi_epi16(a, b)),
+                2 => (_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b)),
+                _ => (_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b)),
+            };
+        }
+        r = o;
+    }
+    for (j, reg) in r.iter().enumerate() {
+        let lanes = [
+            _mm512_castsi512_si128(*reg),
+            _mm512_extracti32x4_epi32::<1>(*reg),
+            _mm512_extracti32x4_epi32::<2>(*reg),
+            _mm512_extracti32x4_epi32::<3>(*reg),
+        ];
+        for (l, lane) in lanes.into_iter().enumerate() {
+            _mm_storeu_si128(dst.add((16 * l + j) * ds).cast(), lane);
+        }
     }
 }
 
@@ -125,18 +201,33 @@ unsafe fn block(src: *const u8, ss: usize, dst: *mut u8, ds: usize, flip: u8) {
 mod tests {
     #[test]
     fn transposes_every_size_like_the_definition() {
-        for (rows, cols) in [(1, 1), (3, 5), (16, 16), (17, 33), (40, 9), (64, 100)] {
+        let sizes = [
+            (1, 1),
+            (3, 5),
+            (16, 16),
+            (17, 33),
+            (40, 9),
+            (64, 100),
+            (33, 200),
+            (24, 70),
+            (15, 64),
+            (16, 128),
+        ];
+        for (&isa, (rows, cols)) in crate::cpu::Isa::available()
+            .iter()
+            .flat_map(|i| sizes.map(|s| (i, s)))
+        {
             let ss = cols + 3;
             let src: Vec<u8> = (0..rows * ss).map(|i| (i * 7 + 3) as u8).collect();
             let ds = rows + 5;
             let mut dst = vec![0u8; cols * ds];
-            super::transpose(&src, ss, rows, cols, &mut dst, ds, 0x80);
+            super::transpose(&src, ss, rows, cols, &mut dst, ds, 0x80, isa);
             for i in 0..rows {
                 for j in 0..cols {
                     assert_eq!(
                         dst[j * ds + i],
                         src[i * ss + j] ^ 0x80,
-                        "{rows}x{cols} at {i},{j}"
+                        "{isa}: {rows}x{cols} at {i},{j}"
                     );
                 }
             }

@@ -10,7 +10,7 @@ use crate::bench::{time_median, Dtype, Measured};
 use crate::layers::{Layer, Prepared};
 use crate::setup_threads;
 use convkit::reference::{qconv_sums, requantize};
-use convkit::{Isa, Options, QConv2d, QPlan, QuantOutput, QuantParams, QuantType, Workspace};
+use convkit::{Algorithm, Error, Isa, Options, QConv2d, QPlan, QuantOutput, QuantParams, QuantType, Workspace};
 
 /// A layer quantized: parameters, integer tensors, and the expected outputs.
 pub struct QPrepared {
@@ -179,7 +179,8 @@ pub fn bench_layer(
     })
 }
 
-/// `check --dtype`: every layer with every int8 kernel this CPU runs.
+/// `check --dtype`: every layer with every int8 kernel this CPU runs, and through the f32
+/// direct kernels (`--algorithm direct`), where they take it.
 pub fn check(args_layers: &[Layer], threads: usize, dtype: Dtype) -> bool {
     let kernels: Vec<&'static str> = convkit::cpu::registry()
         .into_iter()
@@ -187,8 +188,25 @@ pub fn check(args_layers: &[Layer], threads: usize, dtype: Dtype) -> bool {
         .filter(|k| !k.name.contains("vnni") || convkit::cpu::has_vnni())
         .map(|k| k.name)
         .collect();
+    let forced = |kernel: &'static str| Options {
+        threads,
+        kernel: Some(kernel),
+        ..Options::default()
+    };
+    let runs: Vec<(&str, Options)> = kernels
+        .iter()
+        .map(|&k| (k, forced(k)))
+        .chain([(
+            "exact_f32 (--algorithm direct)",
+            Options {
+                threads,
+                algorithm: Some(Algorithm::Direct),
+                ..Options::default()
+            },
+        )])
+        .collect();
     let width = args_layers.iter().map(|l| l.name.len()).max().unwrap_or(0);
-    let (mut passed, mut failed) = (0usize, 0usize);
+    let (mut passed, mut failed, mut skipped) = (0usize, 0usize, 0usize);
     for (i, layer) in args_layers.iter().enumerate() {
         eprintln!("[{}/{}] {} ...", i + 1, args_layers.len(), layer.name);
         let q = match QPrepared::new(layer, dtype) {
@@ -200,13 +218,8 @@ pub fn check(args_layers: &[Layer], threads: usize, dtype: Dtype) -> bool {
             }
         };
         let mut ws = Workspace::new();
-        for &kernel in &kernels {
-            let options = Options {
-                threads,
-                kernel: Some(kernel),
-                ..Options::default()
-            };
-            let result = q.conv(options).and_then(|conv| {
+        for (kernel, options) in &runs {
+            let result = q.conv(options.clone()).and_then(|conv| {
                 let g = &q.geometry;
                 let plan = conv.plan(g.batch, g.h, g.w)?;
                 let mut out = vec![0u8; plan.output_len()];
@@ -223,6 +236,10 @@ pub fn check(args_layers: &[Layer], threads: usize, dtype: Dtype) -> bool {
                     println!("{label}  FAIL  max difference {d}");
                     failed += 1;
                 }
+                Err(Error::AlgorithmUnsupported { reason, .. }) => {
+                    println!("{label}  SKIP  {reason}");
+                    skipped += 1;
+                }
                 Err(e) => {
                     println!("{label}  FAIL  {e}");
                     failed += 1;
@@ -230,7 +247,7 @@ pub fn check(args_layers: &[Layer], threads: usize, dtype: Dtype) -> bool {
             }
         }
     }
-    println!("{passed} passed, {failed} failed");
+    println!("{passed} passed, {failed} failed, {skipped} skipped");
     failed == 0
 }
 
