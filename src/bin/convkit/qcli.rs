@@ -10,7 +10,9 @@ use crate::bench::{time_median, Dtype, Measured};
 use crate::layers::{Layer, Prepared};
 use crate::setup_threads;
 use convkit::reference::{qconv_sums, requantize};
-use convkit::{Algorithm, Error, Isa, Options, QConv2d, QPlan, QuantOutput, QuantParams, QuantType, Workspace};
+use convkit::{
+    Algorithm, Error, Isa, Options, QConv2d, QPlan, QuantOutput, QuantParams, QuantType, Workspace,
+};
 
 /// A layer quantized: parameters, integer tensors, and the expected outputs.
 pub struct QPrepared {
