@@ -665,6 +665,7 @@ fn to_nhwc_u8(input: &[u8], dst: &mut [u8], g: &Geometry, flip: u8, workers: usi
 ///
 /// # Safety
 /// `base` must be valid for `nc` planes of `np` elements, `plane` apart.
+#[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn transpose_block(
     block: &[u8],
     ld: usize,

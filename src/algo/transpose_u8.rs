@@ -93,7 +93,7 @@ pub(crate) fn transpose(
     let starts = |from: usize, n: usize| {
         (from..n - B + 1)
             .step_by(B)
-            .chain(((n - from) % B != 0).then_some(n - B))
+            .chain((!(n - from).is_multiple_of(B)).then_some(n - B))
     };
     for i0 in starts(0, rows) {
         #[cfg(target_arch = "x86_64")]

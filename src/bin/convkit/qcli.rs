@@ -221,7 +221,7 @@ pub fn check(args_layers: &[Layer], threads: usize, dtype: Dtype) -> bool {
         };
         let mut ws = Workspace::new();
         for (kernel, options) in &runs {
-            let result = q.conv(options.clone()).and_then(|conv| {
+            let result = q.conv(*options).and_then(|conv| {
                 let g = &q.geometry;
                 let plan = conv.plan(g.batch, g.h, g.w)?;
                 let mut out = vec![0u8; plan.output_len()];
