@@ -702,6 +702,26 @@ fn weights_blocked<const F: bool>(
     for n in 0..g.batch {
         fill_input_block(t, g, x, n, c0, cc, (hp, wp), xb);
         fill_grad_block(t, g, dy, n, c0, cc, db);
+        // Unit stride and dilation along x: a tap row at a time, ROW_PIXELS output pixels
+        // at a time, so that each input pixel loaded serves every tap that reads it.
+        if g.sw == 1 && g.dw == 1 && (2..=9).contains(&g.kw) {
+            for ky in 0..g.kh {
+                let t0 = ky * g.kw;
+                let acc = &mut sums[t0 * BLOCK..];
+                let pass = BlockPass { g, xb, db, wp, t0 };
+                match g.kw {
+                    2 => pass.run_row::<2, F>(acc),
+                    3 => pass.run_row::<3, F>(acc),
+                    4 => pass.run_row::<4, F>(acc),
+                    5 => pass.run_row::<5, F>(acc),
+                    6 => pass.run_row::<6, F>(acc),
+                    7 => pass.run_row::<7, F>(acc),
+                    8 => pass.run_row::<8, F>(acc),
+                    _ => pass.run_row::<9, F>(acc),
+                }
+            }
+            continue;
+        }
         // Taps in groups of at most 9 (3x3 in one pass; 5x5 9 + 9 + 7): that many independent
         // chains, each input pixel loaded once per tap.
         let group = taps.div_ceil(taps.div_ceil(9));
@@ -784,7 +804,47 @@ impl BlockPass<'_> {
         }
         add_chains(acc, &lanes);
     }
+
+    /// [`run`](Self::run) over the `K` taps of one tap row (`t0` its first), for unit stride
+    /// and dilation along x: [`ROW_PIXELS`] output pixels at a time, whose taps read
+    /// `ROW_PIXELS + K - 1` consecutive input pixels, each loaded once for all of them.
+    #[inline(always)]
+    fn run_row<const K: usize, const F: bool>(&self, acc: &mut [f32]) {
+        const P: usize = ROW_PIXELS;
+        let (g, wp) = (self.g, self.wp);
+        let ky = self.t0 / g.kw;
+        let mut lanes = [[0.0f32; LANES]; K];
+        for oy in 0..g.oh {
+            let drow = &self.db[oy * g.ow * BLOCK..][..g.ow * BLOCK];
+            let xrow = &self.xb[(oy * g.sh + ky * g.dh) * wp * BLOCK..][..(g.ow + K - 1) * BLOCK];
+            let full = g.ow / P * P;
+            for (ds, xs) in drow[..full * BLOCK]
+                .chunks_exact(P * BLOCK)
+                .zip(xrow.windows((P + K - 1) * BLOCK).step_by(P * BLOCK))
+            {
+                for j in 0..P + K - 1 {
+                    let x = &xs[j * BLOCK..][..LANES];
+                    for (q, l) in lanes.iter_mut().enumerate() {
+                        if j >= q && j - q < P {
+                            madd_lanes::<F>(l, &ds[(j - q) * BLOCK..], x);
+                        }
+                    }
+                }
+            }
+            for ox in full..g.ow {
+                let d = &drow[ox * BLOCK..][..LANES];
+                for (q, l) in lanes.iter_mut().enumerate() {
+                    madd_lanes::<F>(l, d, &xrow[(ox + q) * BLOCK..]);
+                }
+            }
+        }
+        add_chains(acc, &lanes);
+    }
 }
+
+/// Output pixels a tap-row pass of the blocked weight gradient takes at a time: with a row's
+/// (up to 9) chains and the input vector, the pixels' output gradients fit in registers.
+const ROW_PIXELS: usize = 4;
 
 /// Channels `c0..c0 + cc` of image `n`'s input as zero-padded 16-channel pixels (`hp x wp`;
 /// pixel (iy, ix) at (iy + pad_top, ix + pad_left), positions no tap reads left out).
