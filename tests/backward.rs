@@ -201,6 +201,11 @@ fn backward_on_layer_shapes() {
         (32, 48, 3, 1, 1, 1, 12),
         (24, 40, 3, 2, 1, 1, 15),
         (40, 24, 1, 2, 0, 1, 14),
+        // 1x1 stride 1, unpadded: NCHW weight gradients pack the input planes directly, in
+        // either orientation of the GEMM (many inputs / many outputs), and grouped.
+        (72, 12, 1, 1, 0, 1, 14),
+        (12, 72, 1, 1, 0, 1, 11),
+        (48, 40, 1, 1, 0, 2, 13),
         (48, 48, 3, 1, 1, 48, 20),
         (48, 48, 3, 2, 1, 48, 21),
         (40, 40, 7, 1, 3, 40, 10),

@@ -16,7 +16,7 @@ use super::{for_each_worker, SendPtr};
 use crate::buffer::AlignedBuf;
 use crate::cpu::generated_layout::Transpose8x8;
 use crate::cpu::{self, Isa};
-use crate::gemm::pack::{prepack, prepacked_len, Prepacked, RowMajorA, RowMajorB};
+use crate::gemm::pack::{panel_row, prepack, prepacked_len, Prepacked, RowMajorA, RowMajorB};
 use crate::gemm::{gemm, BlockB, Blocking, GemmKernel, Output, Panels, NC_MAX};
 use crate::params::{mul, Geometry};
 use crate::{Activation, ConvParams, Layout, Result};
@@ -84,6 +84,8 @@ const TILE_FLOATS: usize = 16 * 1024;
 /// The weights of a backward-data GEMM, packed per group and block of input channels.
 pub(crate) struct Col2imData {
     kern: &'static GemmKernel,
+    /// Transposes NHWC output-gradient tiles into A panels.
+    transpose: Transpose8x8,
     packed: AlignedBuf,
     /// Input channels a block (the last one of a group may have fewer).
     chunk: usize,
@@ -192,6 +194,7 @@ impl Col2imData {
         }
         Ok(Col2imData {
             kern,
+            transpose: cpu::transpose_8x8(isa),
             packed,
             chunk,
             chunks,
@@ -344,6 +347,7 @@ impl Col2imData {
                     let a = RowMajorA {
                         data: &dy[(n * pixels + p0) * g.c_out + grp * cout_g..],
                         ld: g.c_out,
+                        transpose: self.transpose,
                     };
                     let b = Prepacked {
                         data: weights,
@@ -509,8 +513,8 @@ impl WeightGradPlan {
     /// and, for NCHW, one image transposed to NHWC.
     pub(crate) fn workspace_floats(&self, g: &Geometry) -> usize {
         let image = match g.layout {
-            Layout::Nchw => g.c_in * g.h * g.w,
-            Layout::Nhwc => 0,
+            Layout::Nchw if !reads_planes(g) => g.c_in * g.h * g.w,
+            _ => 0,
         };
         self.workers * self.per_worker() + g.c_out * g.k_len() + image
     }
@@ -582,6 +586,7 @@ impl WeightGrad {
         for n in 0..g.batch {
             let xn = match g.layout {
                 Layout::Nhwc => &x[n * plane * g.c_in..][..plane * g.c_in],
+                Layout::Nchw if reads_planes(g) => &x[n * g.c_in * plane..][..g.c_in * plane],
                 Layout::Nchw => {
                     let src = &x[n * g.c_in * plane..][..g.c_in * plane];
                     let img = &mut image[..plane * g.c_in];
@@ -595,13 +600,20 @@ impl WeightGrad {
                 let col0 = item % plan.nchunks * plan.nchunk;
                 let cols = plan.nchunk.min(cin_g - col0);
                 let (a_buf, b_buf) = s.split_at_mut(plan.blk.a_scratch());
-                let a = GradOutA { dy, g, grp, n };
+                let a = GradOutA {
+                    dy,
+                    g,
+                    grp,
+                    n,
+                    t: self.transpose,
+                };
                 let b = TapRowsB {
                     x: xn,
                     g,
                     grp,
                     tap,
                     col0,
+                    t: self.transpose,
                 };
                 // The tile of (group, tap): `cout_g x cin_g`, or its transpose.
                 let (first, ld) = match plan.transposed {
@@ -640,17 +652,39 @@ impl WeightGrad {
                 let dst = &mut dw[(grp * cout_g + co) * cin_g * taps..][..cin_g * taps];
                 for tap in 0..taps {
                     let t = (grp * taps + tap) * tile;
-                    for (ci, d) in dst.iter_mut().skip(tap).step_by(taps).enumerate() {
-                        let v = match plan.transposed {
-                            false => sums[t + co * cin_g + ci],
-                            true => sums[t + ci * cout_g + co],
-                        };
-                        *d = if accumulate { *d + v } else { v };
+                    let put = |(d, &v): (&mut f32, &f32)| *d = if accumulate { *d + v } else { v };
+                    match (plan.transposed, taps) {
+                        // 1x1: the tile's row is the gradient's row.
+                        (false, 1) => dst.iter_mut().zip(&sums[t + co * cin_g..]).for_each(put),
+                        (false, _) => {
+                            let src = &sums[t + co * cin_g..][..cin_g];
+                            dst.iter_mut()
+                                .skip(tap)
+                                .step_by(taps)
+                                .zip(src)
+                                .for_each(put)
+                        }
+                        (true, _) => {
+                            let src = sums[t + co..].iter().step_by(cout_g);
+                            dst.iter_mut()
+                                .skip(tap)
+                                .step_by(taps)
+                                .zip(src)
+                                .for_each(put)
+                        }
                     }
                 }
             }
         }
     }
+}
+
+/// True where the weight gradient's B operand is the NCHW input itself: a 1x1, stride-1,
+/// unpadded layer reads every input pixel as the output pixel of the same index, so its
+/// planes are packed (transposed) straight into the panels, with no NHWC copy of the image.
+fn reads_planes(g: &Geometry) -> bool {
+    let unpadded = g.pad_top + g.pad_bottom + g.pad_left + g.pad_right == 0;
+    g.layout == Layout::Nchw && g.kh * g.kw == 1 && g.sh * g.sw == 1 && unpadded
 }
 
 /// `c` planes of `plane` floats (`src`) as `plane` pixels of `c` channels (`dst`): 8x8 blocks
@@ -738,6 +772,8 @@ struct GradOutA<'a> {
     g: &'a Geometry,
     grp: usize,
     n: usize,
+    /// Transposes NCHW planes into panels.
+    t: Transpose8x8,
 }
 
 impl Panels for GradOutA<'_> {
@@ -760,6 +796,7 @@ impl Panels for GradOutA<'_> {
             Layout::Nchw => RowMajorA {
                 data: &self.dy[(self.n * g.c_out + c0) * pixels..],
                 ld: pixels,
+                transpose: self.t,
             }
             .panels(0, len, k0, kc, r, dst),
             // Column-major: each pixel's channels are a panel step.
@@ -769,8 +806,7 @@ impl Panels for GradOutA<'_> {
                     for kk in 0..kc {
                         let d = &mut dst[(q * kc + kk) * r..][..r];
                         let px = self.n * pixels + k0 + kk;
-                        d[..rows].copy_from_slice(&self.dy[px * g.c_out + c0 + q * r..][..rows]);
-                        d[rows..].fill(0.0);
+                        panel_row(d, &self.dy[px * g.c_out + c0 + q * r..][..rows]);
                     }
                 }
                 (dst.as_ptr(), kc * r)
@@ -780,7 +816,8 @@ impl Panels for GradOutA<'_> {
 }
 
 /// B: `pixels x c_in/g` for one group and tap of one NHWC image: row p is the input pixel
-/// tap (ky, kx) reads for output pixel p (zeros where that is padding).
+/// tap (ky, kx) reads for output pixel p (zeros where that is padding). Where
+/// [`reads_planes`], the image is the NCHW input, and row p is its pixel p.
 struct TapRowsB<'a> {
     x: &'a [f32],
     g: &'a Geometry,
@@ -788,6 +825,8 @@ struct TapRowsB<'a> {
     tap: usize,
     /// First input channel (of the group) of column 0.
     col0: usize,
+    /// Transposes NCHW planes into panels.
+    t: Transpose8x8,
 }
 
 impl Panels for TapRowsB<'_> {
@@ -805,6 +844,15 @@ impl Panels for TapRowsB<'_> {
         let g = self.g;
         let (ky, kx) = (self.tap / g.kw, self.tap % g.kw);
         let c0 = self.grp * g.cin_g() + self.col0 + start;
+        if reads_planes(g) {
+            let plane = g.h * g.w;
+            let planes = RowMajorA {
+                data: &self.x[c0 * plane..],
+                ld: plane,
+                transpose: self.t,
+            };
+            return planes.panels(0, len, k0, kc, r, dst);
+        }
         let (mut oy, mut ox) = (k0 / g.ow, k0 % g.ow);
         for kk in 0..kc {
             let iy = (oy * g.sh + ky * g.dh) as isize - g.pad_top as isize;
@@ -819,8 +867,7 @@ impl Panels for TapRowsB<'_> {
                 let cols = r.min(len - q * r);
                 let d = &mut dst[(q * kc + kk) * r..][..r];
                 if inside {
-                    d[..cols].copy_from_slice(&self.x[px * g.c_in + c0 + q * r..][..cols]);
-                    d[cols..].fill(0.0);
+                    panel_row(d, &self.x[px * g.c_in + c0 + q * r..][..cols]);
                 } else {
                     d.fill(0.0);
                 }

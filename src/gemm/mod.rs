@@ -448,7 +448,11 @@ pub fn sgemm_with(
         accumulate: false,
     };
     let (pa, pb) = (
-        pack::RowMajorA { data: a, ld: lda },
+        pack::RowMajorA {
+            data: a,
+            ld: lda,
+            transpose: crate::cpu::transpose_8x8(isa),
+        },
         pack::RowMajorB { data: b, ld: ldb },
     );
     // SAFETY: c was checked to hold m rows of n floats ldc apart and is borrowed mutably; the
