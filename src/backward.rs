@@ -485,6 +485,9 @@ impl BackwardPlan {
         let inner = &self.inner;
         let weights = match (&inner.weights, &self.weights) {
             (WeightPath::Gemm(_, Some(wg)), WeightPlan::Winograd(p)) => p.kernel_name(wg.gemm()),
+            (WeightPath::Gemm(w, _), WeightPlan::Gemm(p)) if p.patches() => {
+                format!("patch_gemm/{}", w.kernel_name())
+            }
             (WeightPath::Gemm(w, _), _) => format!("tap_gemm/{}", w.kernel_name()),
             (WeightPath::Direct(d), _) => d.kernel_name(),
             (WeightPath::Depthwise, _) => inner

@@ -185,6 +185,15 @@ proptest! {
         check_backward(&c)?;
     }
 
+    /// Output channels outnumbering the pixels (the weight gradient's patch GEMM), with every
+    /// padding, stride and dilation of `case`.
+    #[test]
+    fn wide_backward_matches_reference(c in case(1), extra in 0usize..9) {
+        let cout_g = 64.max(4 * c.batch * c.h * c.w) + extra;
+        let params = ConvParams { out_channels: c.params.groups * cout_g, ..c.params };
+        check_backward(&Case { params, ..c })?;
+    }
+
     #[test]
     fn transposed_matches_definition(c in case(2), op in (0usize..3, 0usize..3)) {
         check_transposed(&c, [op.0, op.1])?;
@@ -206,6 +215,11 @@ fn backward_on_layer_shapes() {
         (72, 12, 1, 1, 0, 1, 14),
         (12, 72, 1, 1, 0, 1, 11),
         (48, 40, 1, 1, 0, 2, 13),
+        // At least 64 output channels a group and 4x the pixels: the weight gradients'
+        // patch GEMM (and a layer of as many channels and more pixels, for the tap GEMMs).
+        (12, 72, 3, 2, 1, 1, 3),
+        (12, 72, 3, 2, 1, 1, 11),
+        (20, 260, 3, 1, 1, 2, 2),
         (48, 48, 3, 1, 1, 48, 20),
         (48, 48, 3, 2, 1, 48, 21),
         (40, 40, 7, 1, 3, 40, 10),
@@ -295,6 +309,17 @@ fn winograd_weight_tiles() {
     }
     let narrow = name(p(8, 24, 1, 1), 23, best);
     assert!(!narrow.contains("weights: winograd"), "{narrow}");
+    // Output channels outnumbering the pixels and no Winograd: one GEMM over the patch matrix.
+    let wide = name(p(12, 72, 1, 1).with_stride([2, 2]), 3, best);
+    assert!(wide.contains("weights: patch_gemm"), "{wide}");
+    let exact = Options {
+        precision: Precision::Exact,
+        ..best
+    };
+    let wide = name(p(16, 64, 1, 1), 1, exact);
+    assert!(wide.contains("weights: patch_gemm"), "{wide}");
+    let large = name(p(16, 64, 1, 1), 9, exact);
+    assert!(large.contains("weights: tap_gemm"), "{large}");
 }
 
 /// `Σ r · conv(x, w, b)` from the forward reference (f64 accumulation).
