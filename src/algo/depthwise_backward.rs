@@ -657,20 +657,32 @@ const BLOCK: usize = LANES;
 /// kernels.
 const BLOCKED_MAX: usize = 4 << 20;
 
-/// (rows, columns) of the zero-padded input a blocked item copies: every position a tap
-/// reads.
-fn blocked_extent(g: &Geometry) -> (usize, usize) {
+/// (rows, columns) of the zero-padded input a blocked item copies for a band of `rows` output
+/// rows: every position a tap reads.
+fn blocked_extent(g: &Geometry, rows: usize) -> (usize, usize) {
     (
-        (g.oh - 1) * g.sh + (g.kh - 1) * g.dh + 1,
+        (rows - 1) * g.sh + (g.kh - 1) * g.dh + 1,
         (g.ow - 1) * g.sw + (g.kw - 1) * g.dw + 1,
     )
 }
 
-/// Scratch floats of one blocked item: the padded input block, the output-gradient block and
-/// the tap sums.
+/// Floats of input and output-gradient block a band may take (256 KiB): the band's blocks
+/// stay in L2 while the tap-row passes go over them again. Whole 112x112 images of 16
+/// channels (1.6 MB) went out to L3 between the transposes that fill them and each pass.
+const BAND_FLOATS: usize = 64 << 10;
+
+/// Output rows of a blocked item's band.
+fn band_rows(g: &Geometry) -> usize {
+    let (_, wp) = blocked_extent(g, 1);
+    (BAND_FLOATS / ((g.sh * wp + g.ow) * BLOCK)).clamp(1, g.oh)
+}
+
+/// Scratch floats of one blocked item: the padded input block and the output-gradient block
+/// of a band, and the tap sums.
 fn blocked_floats(g: &Geometry) -> usize {
-    let (hp, wp) = blocked_extent(g);
-    (hp * wp + g.oh * g.ow + g.kh * g.kw) * BLOCK
+    let rows = band_rows(g);
+    let (hp, wp) = blocked_extent(g, rows);
+    (hp * wp + rows * g.ow + g.kh * g.kw) * BLOCK
 }
 
 /// `BLOCK` depthwise channels' weight gradients (multiplier 1, either layout): per image, the
@@ -691,24 +703,38 @@ fn weights_blocked<const F: bool>(
     scratch: &mut [f32],
     item: usize,
 ) {
-    let (hp, wp) = blocked_extent(g);
+    let band = band_rows(g);
+    let (hp, wp) = blocked_extent(g, band);
     let taps = g.kh * g.kw;
     let c0 = item * BLOCK;
     let cc = BLOCK.min(g.c_out - c0);
     let (xb, rest) = scratch.split_at_mut(hp * wp * BLOCK);
-    let (db, rest) = rest.split_at_mut(g.oh * g.ow * BLOCK);
+    let (db, rest) = rest.split_at_mut(band * g.ow * BLOCK);
     let sums = &mut rest[..taps * BLOCK];
     sums.fill(0.0);
-    for n in 0..g.batch {
-        fill_input_block(t, g, x, n, c0, cc, (hp, wp), xb);
-        fill_grad_block(t, g, dy, n, c0, cc, db);
+    let bands = g.oh.div_ceil(band);
+    for i in 0..g.batch * bands {
+        let (n, oy0) = (i / bands, i % bands * band);
+        let rows = band.min(g.oh - oy0);
+        let (hp, _) = blocked_extent(g, rows);
+        let xb = &mut xb[..hp * wp * BLOCK];
+        let db = &mut db[..rows * g.ow * BLOCK];
+        fill_input_block(t, g, x, n, c0, cc, oy0 * g.sh, (hp, wp), xb);
+        fill_grad_block(t, g, dy, n, c0, cc, oy0 * g.ow, db);
         // Unit stride and dilation along x: a tap row at a time, ROW_PIXELS output pixels
         // at a time, so that each input pixel loaded serves every tap that reads it.
         if g.sw == 1 && g.dw == 1 && (2..=9).contains(&g.kw) {
             for ky in 0..g.kh {
                 let t0 = ky * g.kw;
                 let acc = &mut sums[t0 * BLOCK..];
-                let pass = BlockPass { g, xb, db, wp, t0 };
+                let pass = BlockPass {
+                    g,
+                    xb,
+                    db,
+                    wp,
+                    t0,
+                    rows,
+                };
                 match g.kw {
                     2 => pass.run_row::<2, F>(acc),
                     3 => pass.run_row::<3, F>(acc),
@@ -727,7 +753,14 @@ fn weights_blocked<const F: bool>(
         let group = taps.div_ceil(taps.div_ceil(9));
         for t0 in (0..taps).step_by(group) {
             let acc = &mut sums[t0 * BLOCK..];
-            let pass = BlockPass { g, xb, db, wp, t0 };
+            let pass = BlockPass {
+                g,
+                xb,
+                db,
+                wp,
+                t0,
+                rows,
+            };
             match group.min(taps - t0) {
                 1 => pass.run::<1, F>(acc),
                 2 => pass.run::<2, F>(acc),
@@ -770,13 +803,15 @@ fn add_chains<const K: usize>(acc: &mut [f32], lanes: &[[f32; LANES]; K]) {
     }
 }
 
-/// One pass of [`weights_blocked`] over the taps `t0..t0 + K` (row-major over (ky, kx)).
+/// One pass of [`weights_blocked`] over the taps `t0..t0 + K` (row-major over (ky, kx)) and
+/// the `rows` output rows of a band.
 struct BlockPass<'a> {
     g: &'a Geometry,
     xb: &'a [f32],
     db: &'a [f32],
     wp: usize,
     t0: usize,
+    rows: usize,
 }
 
 impl BlockPass<'_> {
@@ -792,7 +827,7 @@ impl BlockPass<'_> {
         }
         let reach = offs[K - 1] + BLOCK;
         let mut lanes = [[0.0f32; LANES]; K];
-        for oy in 0..g.oh {
+        for oy in 0..self.rows {
             for ox in 0..g.ow {
                 let d = &self.db[(oy * g.ow + ox) * BLOCK..][..BLOCK];
                 let base = (oy * g.sh * wp + ox * g.sw) * BLOCK;
@@ -814,7 +849,7 @@ impl BlockPass<'_> {
         let (g, wp) = (self.g, self.wp);
         let ky = self.t0 / g.kw;
         let mut lanes = [[0.0f32; LANES]; K];
-        for oy in 0..g.oh {
+        for oy in 0..self.rows {
             let drow = &self.db[oy * g.ow * BLOCK..][..g.ow * BLOCK];
             let xrow = &self.xb[(oy * g.sh + ky * g.dh) * wp * BLOCK..][..(g.ow + K - 1) * BLOCK];
             let full = g.ow / P * P;
@@ -846,8 +881,9 @@ impl BlockPass<'_> {
 /// (up to 9) chains and the input vector, the pixels' output gradients fit in registers.
 const ROW_PIXELS: usize = 4;
 
-/// Channels `c0..c0 + cc` of image `n`'s input as zero-padded 16-channel pixels (`hp x wp`;
-/// pixel (iy, ix) at (iy + pad_top, ix + pad_left), positions no tap reads left out).
+/// Channels `c0..c0 + cc` of image `n`'s input as zero-padded 16-channel pixels (`hp x wp`,
+/// from padded row `pr0`: pixel (iy, ix) at (iy + pad_top - pr0, ix + pad_left), positions
+/// no tap reads left out).
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn fill_input_block(
@@ -857,14 +893,18 @@ fn fill_input_block(
     n: usize,
     c0: usize,
     cc: usize,
+    pr0: usize,
     (hp, wp): (usize, usize),
     xb: &mut [f32],
 ) {
     xb.fill(0.0);
-    let rows = g.h.min(hp.saturating_sub(g.pad_top));
     let cols = g.w.min(wp.saturating_sub(g.pad_left));
-    for iy in 0..rows {
-        let dst_row = (iy + g.pad_top) * wp + g.pad_left;
+    for r in 0..hp {
+        let iy = (pr0 + r) as isize - g.pad_top as isize;
+        if iy < 0 || iy as usize >= g.h {
+            continue;
+        }
+        let (iy, dst_row) = (iy as usize, r * wp + g.pad_left);
         match g.layout {
             Layout::Nhwc => {
                 for ix in 0..cols {
@@ -889,7 +929,9 @@ fn fill_input_block(
     }
 }
 
-/// Channels `c0..c0 + cc` of image `n`'s output gradient as 16-channel pixels (`oh x ow`).
+/// Channels `c0..c0 + cc` of image `n`'s output gradient as 16-channel pixels: the pixels
+/// `p0..p0 + db.len() / 16`.
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn fill_grad_block(
     t: Transpose8x8,
@@ -898,14 +940,14 @@ fn fill_grad_block(
     n: usize,
     c0: usize,
     cc: usize,
+    p0: usize,
     db: &mut [f32],
 ) {
-    let pixels = g.oh * g.ow;
+    let (pixels, len) = (g.oh * g.ow, db.len() / BLOCK);
     match g.layout {
         Layout::Nhwc => {
-            for p in 0..pixels {
+            for (p, d) in (p0..p0 + len).zip(db.chunks_exact_mut(BLOCK)) {
                 let src = &dy[(n * pixels + p) * g.c_out + c0..][..cc];
-                let d = &mut db[p * BLOCK..][..BLOCK];
                 d[..cc].copy_from_slice(src);
                 d[cc..].fill(0.0);
             }
@@ -914,14 +956,14 @@ fn fill_grad_block(
             if cc < BLOCK {
                 db.fill(0.0);
             }
-            let src = |c: usize, p: usize| dy[(n * g.c_out + c0 + c) * pixels + p];
+            let src = |c: usize, p: usize| dy[(n * g.c_out + c0 + c) * pixels + p0 + p];
             to_block(
                 t,
                 cc,
-                pixels,
+                len,
                 pixels,
                 db,
-                |c| &dy[(n * g.c_out + c0 + c) * pixels..],
+                |c| &dy[(n * g.c_out + c0 + c) * pixels + p0..],
                 src,
             );
         }
