@@ -223,6 +223,9 @@ fn backward_on_layer_shapes() {
         (48, 48, 3, 1, 1, 48, 20),
         (48, 48, 3, 2, 1, 48, 21),
         (40, 40, 7, 1, 3, 40, 10),
+        // Depthwise weight gradients over images large enough for several bands of rows.
+        (16, 16, 3, 1, 1, 16, 50),
+        (24, 24, 3, 2, 1, 24, 75),
         (64, 64, 3, 1, 1, 8, 10),
         (3, 16, 7, 2, 3, 1, 23),
         // Winograd weight gradients (`winograd_weight_tiles` checks which tile each takes):
