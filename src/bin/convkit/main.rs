@@ -1,6 +1,30 @@
 //! `convkit`: information, benchmarks, correctness checks and one-off convolutions on .npy
 //! files. Exit codes: 0 success, 1 failure (bad input, failed check), 2 bad arguments.
 
+/// `println!` for this tool and its modules: a closed stdout (`convkit info | head`) ends the
+/// process quietly, as Unix tools do, where std's `println!` would panic.
+macro_rules! println {
+    () => {
+        $crate::print_out(format_args!("\n"))
+    };
+    ($($arg:tt)*) => {
+        $crate::print_out(format_args!("{}\n", format_args!($($arg)*)))
+    };
+}
+
+/// Writes to stdout; on a broken pipe exits with success (the reader has all it wanted), on
+/// another error with failure.
+fn print_out(args: std::fmt::Arguments) {
+    use std::io::Write;
+    if let Err(e) = std::io::stdout().lock().write_fmt(args) {
+        if e.kind() != std::io::ErrorKind::BrokenPipe {
+            eprintln!("convkit: cannot write to stdout: {e}");
+            std::process::exit(1);
+        }
+        std::process::exit(0);
+    }
+}
+
 mod args;
 mod bench;
 mod check;
