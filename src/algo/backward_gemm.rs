@@ -509,6 +509,8 @@ pub(crate) struct WeightGradPlan {
     /// One GEMM per group over the patch matrix instead of one per tap (see
     /// [`WeightGrad::run`]); chunks are then of `(channel, tap)` columns.
     patches: bool,
+    /// The tap GEMMs' B operand is the NCHW input's planes ([`reads_planes`]).
+    planes: bool,
 }
 
 impl WeightGradPlan {
@@ -519,7 +521,7 @@ impl WeightGradPlan {
             return self.workers * self.per_worker();
         }
         let image = match g.layout {
-            Layout::Nchw if !reads_planes(g) => g.c_in * g.h * g.w,
+            Layout::Nchw if !self.planes => g.c_in * g.h * g.w,
             _ => 0,
         };
         self.workers * self.per_worker() + self.sums_floats(g) + image
@@ -571,6 +573,7 @@ impl WeightGrad {
                 workers: t.min(g.groups * nchunks),
                 transposed: false,
                 patches: true,
+                planes: false,
             };
         }
         // Split the input channels too where groups and taps alone leave workers idle.
@@ -594,6 +597,7 @@ impl WeightGrad {
             workers: t.min(g.groups * g.kh * g.kw * nchunks),
             transposed,
             patches: false,
+            planes: reads_planes(g),
         }
     }
 
@@ -632,7 +636,7 @@ impl WeightGrad {
         for n in 0..g.batch {
             let xn = match g.layout {
                 Layout::Nhwc => &x[n * plane * g.c_in..][..plane * g.c_in],
-                Layout::Nchw if reads_planes(g) => &x[n * g.c_in * plane..][..g.c_in * plane],
+                Layout::Nchw if plan.planes => &x[n * g.c_in * plane..][..g.c_in * plane],
                 Layout::Nchw => {
                     let src = &x[n * g.c_in * plane..][..g.c_in * plane];
                     let img = &mut image[..plane * g.c_in];
@@ -659,6 +663,7 @@ impl WeightGrad {
                     grp,
                     tap,
                     col0,
+                    planes: plan.planes,
                     t: self.transpose,
                 };
                 // The tile of (group, tap): `cout_g x cin_g`, or its transpose.
@@ -969,8 +974,8 @@ impl Panels for GradOutA<'_> {
 }
 
 /// B: `pixels x c_in/g` for one group and tap of one NHWC image: row p is the input pixel
-/// tap (ky, kx) reads for output pixel p (zeros where that is padding). Where
-/// [`reads_planes`], the image is the NCHW input, and row p is its pixel p.
+/// tap (ky, kx) reads for output pixel p (zeros where that is padding). With `planes`
+/// ([`reads_planes`]), the image is the NCHW input, and row p is its pixel p.
 struct TapRowsB<'a> {
     x: &'a [f32],
     g: &'a Geometry,
@@ -978,6 +983,8 @@ struct TapRowsB<'a> {
     tap: usize,
     /// First input channel (of the group) of column 0.
     col0: usize,
+    /// `x` is the NCHW image, packed from its planes.
+    planes: bool,
     /// Transposes NCHW planes into panels.
     t: Transpose8x8,
 }
@@ -997,7 +1004,7 @@ impl Panels for TapRowsB<'_> {
         let g = self.g;
         let (ky, kx) = (self.tap / g.kw, self.tap % g.kw);
         let c0 = self.grp * g.cin_g() + self.col0 + start;
-        if reads_planes(g) {
+        if self.planes {
             let plane = g.h * g.w;
             let planes = RowMajorA {
                 data: &self.x[c0 * plane..],
@@ -1059,7 +1066,8 @@ impl Panels for PatchColsB<'_> {
     ) -> (*const f32, usize) {
         let g = self.g;
         let (taps, (h, w)) = (g.kh * g.kw, (g.h, g.w));
-        // Input value (c, iy, ix) and the step between horizontally adjacent taps' reads.
+        // Where input value (c, iy, ix) lies, and the step between the values read for
+        // horizontally adjacent output pixels.
         let at = |c: usize, iy: usize, ix: usize| match g.layout {
             Layout::Nchw => (c * h + iy) * w + ix,
             Layout::Nhwc => (iy * w + ix) * g.c_in + c,

@@ -667,8 +667,8 @@ fn blocked_extent(g: &Geometry, rows: usize) -> (usize, usize) {
 }
 
 /// Floats of input and output-gradient block a band may take (256 KiB): the band's blocks
-/// stay in L2 while the tap-row passes go over them again. Whole 112x112 images of 16
-/// channels (1.6 MB) went out to L3 between the transposes that fill them and each pass.
+/// stay in L2 while the tap-row passes go over them again, where a whole 112x112 image's
+/// blocks of 16 channels (1.6 MB) would not.
 const BAND_FLOATS: usize = 64 << 10;
 
 /// Output rows of a blocked item's band.
@@ -721,20 +721,22 @@ fn weights_blocked<const F: bool>(
         let db = &mut db[..rows * g.ow * BLOCK];
         fill_input_block(t, g, x, n, c0, cc, oy0 * g.sh, (hp, wp), xb);
         fill_grad_block(t, g, dy, n, c0, cc, oy0 * g.ow, db);
+        let (xb, db) = (&*xb, &*db);
+        let pass = |t0| BlockPass {
+            g,
+            xb,
+            db,
+            wp,
+            t0,
+            rows,
+        };
         // Unit stride and dilation along x: a tap row at a time, ROW_PIXELS output pixels
         // at a time, so that each input pixel loaded serves every tap that reads it.
         if g.sw == 1 && g.dw == 1 && (2..=9).contains(&g.kw) {
             for ky in 0..g.kh {
                 let t0 = ky * g.kw;
                 let acc = &mut sums[t0 * BLOCK..];
-                let pass = BlockPass {
-                    g,
-                    xb,
-                    db,
-                    wp,
-                    t0,
-                    rows,
-                };
+                let pass = pass(t0);
                 match g.kw {
                     2 => pass.run_row::<2, F>(acc),
                     3 => pass.run_row::<3, F>(acc),
@@ -753,14 +755,7 @@ fn weights_blocked<const F: bool>(
         let group = taps.div_ceil(taps.div_ceil(9));
         for t0 in (0..taps).step_by(group) {
             let acc = &mut sums[t0 * BLOCK..];
-            let pass = BlockPass {
-                g,
-                xb,
-                db,
-                wp,
-                t0,
-                rows,
-            };
+            let pass = pass(t0);
             match group.min(taps - t0) {
                 1 => pass.run::<1, F>(acc),
                 2 => pass.run::<2, F>(acc),
