@@ -8,7 +8,7 @@
 //! are contiguous) for NCHW, tap-major with the channels padded to a whole vector for NHWC.
 
 use super::{for_each_worker, SendPtr};
-use crate::cpu::generated_layout::Transpose8x8;
+use crate::cpu::TransposeRows8x8;
 use crate::cpu::{self, Isa};
 use crate::params::Geometry;
 use crate::storage::{narrow, widen, Storage, StorageType};
@@ -103,7 +103,7 @@ pub(crate) struct Depthwise {
     channels: Option<ChannelWeights>,
     multiplier: usize,
     /// The blocked mode's transpose.
-    transpose: Transpose8x8,
+    transpose: TransposeRows8x8,
     /// The mode a forced kernel runs in.
     forced_mode: Option<Mode>,
     /// The ISA level the kernels were chosen for.
@@ -278,7 +278,7 @@ impl Depthwise {
             },
             channels,
             multiplier: p.out_channels / p.in_channels,
-            transpose: cpu::transpose_8x8(isa),
+            transpose: cpu::transpose_rows_8x8(isa),
             forced_mode,
             isa,
             forced_half,
@@ -840,7 +840,14 @@ fn blocked_wins(g: &Geometry, channel_kernel: &DwKernel) -> bool {
 
 /// `cb` planes of the input (`src`) into pixels of `cb` channels (`dst`: rows `wp` pixels
 /// wide, the padding of `g` around the image zeroed), 8 channels x 8 pixels at a time.
-fn to_pixels(t: Transpose8x8, src: &[f32], g: &Geometry, wp: usize, cb: usize, dst: &mut [f32]) {
+fn to_pixels(
+    t: TransposeRows8x8,
+    src: &[f32],
+    g: &Geometry,
+    wp: usize,
+    cb: usize,
+    dst: &mut [f32],
+) {
     let (w, hw) = (g.w, g.h * g.w);
     let hp = dst.len() / (wp * cb);
     // Only the padding needs zeros: the image's pixels are all written below.
@@ -853,16 +860,12 @@ fn to_pixels(t: Transpose8x8, src: &[f32], g: &Geometry, wp: usize, cb: usize, d
             row[(g.pad_left + w) * cb..].fill(0.0);
         }
     }
-    let at = |p: usize| ((p / w + g.pad_top) * wp + p % w + g.pad_left) * cb;
-    blocks(
-        t,
-        src,
-        hw,
-        cb,
-        |p| (at(p), p % w + 8 <= w),
-        dst,
-        Direction::ToPixels,
-    );
+    let grid = PixelGrid {
+        w,
+        stride: wp,
+        origin: g.pad_top * wp + g.pad_left,
+    };
+    blocks(t, src, hw, cb, grid, dst, Direction::ToPixels);
 }
 
 /// Pixels of `cb` channels (`src`, rows `owp` pixels wide) back into `cb` output planes
@@ -870,7 +873,7 @@ fn to_pixels(t: Transpose8x8, src: &[f32], g: &Geometry, wp: usize, cb: usize, d
 /// the clamp applied when there is one.
 #[allow(clippy::too_many_arguments)]
 fn to_planes(
-    t: Transpose8x8,
+    t: TransposeRows8x8,
     src: &[f32],
     g: &Geometry,
     owp: usize,
@@ -880,17 +883,12 @@ fn to_planes(
     min: f32,
     max: f32,
 ) {
-    let ow = g.ow;
-    let at = |p: usize| ((p / ow) * owp + p % ow) * cb;
-    blocks(
-        t,
-        src,
-        g.oh * ow,
-        cb,
-        |p| (at(p), p % ow + 8 <= ow),
-        dst,
-        Direction::ToPlanes,
-    );
+    let grid = PixelGrid {
+        w: g.ow,
+        stride: owp,
+        origin: 0,
+    };
+    blocks(t, src, g.oh * g.ow, cb, grid, dst, Direction::ToPlanes);
     if let Some(r) = residual {
         for (v, &r) in dst.iter_mut().zip(r) {
             *v = (*v + r).max(min).min(max);
@@ -904,55 +902,63 @@ enum Direction {
     ToPlanes,
 }
 
+/// Where an image's pixels lie in a buffer of `cb`-channel pixels: pixel (y, x) of a `w`-wide
+/// image at pixel `origin + y·stride + x` of the buffer.
+#[derive(Clone, Copy)]
+struct PixelGrid {
+    w: usize,
+    stride: usize,
+    origin: usize,
+}
+
 /// Moves `cb` planes of `n` pixels (plane-major, `planes`) to or from pixels of `cb` channels
-/// (`pixels`, pixel `p` at offset `at(p).0`; `at(p).1` when pixels `p..p+8` are contiguous
-/// there). 8x8 blocks go through the transpose kernel, straight where the 8 pixels are
-/// contiguous, else through a small tile; the ragged rest element by element.
+/// laid out as `grid` says. 8x8 blocks go through the transpose kernel with each pixel's row
+/// addressed on its own (8 pixels may wrap onto the next image row: a 7-wide image has no 8
+/// contiguous ones); the ragged rest element by element.
 fn blocks(
-    t: Transpose8x8,
+    t: TransposeRows8x8,
     src: &[f32],
     n: usize,
     cb: usize,
-    at: impl Fn(usize) -> (usize, bool),
+    grid: PixelGrid,
     dst: &mut [f32],
     dir: Direction,
 ) {
+    let at = |p: usize| (grid.origin + p / grid.w * grid.stride + p % grid.w) * cb;
     let (planes_len, pixels_len) = match dir {
         Direction::ToPixels => (src.len(), dst.len()),
         Direction::ToPlanes => (dst.len(), src.len()),
     };
-    assert!(planes_len >= cb * n && (n == 0 || at(n - 1).0 + cb <= pixels_len));
+    assert!(planes_len >= cb * n && (n == 0 || at(n - 1) + cb <= pixels_len));
     let (c8, n8) = (cb / 8 * 8, n / 8 * 8);
-    let mut tile = [0.0f32; 64];
-    for c0 in (0..c8).step_by(8) {
-        for p0 in (0..n8).step_by(8) {
+    let (src_ptr, dst_ptr) = (src.as_ptr(), dst.as_mut_ptr());
+    // Pixel offsets walked along the rows: no division per pixel.
+    let (mut y, mut x) = (0, 0);
+    for p0 in (0..n8).step_by(8) {
+        let mut px = [0usize; 8];
+        for o in &mut px {
+            *o = (grid.origin + y * grid.stride + x) * cb;
+            x += 1;
+            if x == grid.w {
+                (x, y) = (0, y + 1);
+            }
+        }
+        for c0 in (0..c8).step_by(8) {
             let plane = c0 * n + p0;
-            let (px, contiguous) = at(p0);
-            // SAFETY (every call below): 8 rows of 8 floats from each pointer, with the
-            // strides given, lie inside the slices: planes `c0..c0+8` hold pixels
-            // `p0..p0+8` (asserted length), and pixel `p`'s channels `c0..c0+8` sit at
-            // `at(p).0 + c0` (the last pixel's end is asserted), contiguous for the 8 pixels
-            // when `contiguous`; the tile is 8x8. The kernel's ISA is this CPU's.
-            match (dir, contiguous) {
-                (Direction::ToPixels, true) => unsafe {
-                    t(src[plane..].as_ptr(), n, dst[px + c0..].as_mut_ptr(), cb)
-                },
-                (Direction::ToPlanes, true) => unsafe {
-                    t(src[px + c0..].as_ptr(), cb, dst[plane..].as_mut_ptr(), n)
-                },
-                (Direction::ToPixels, false) => {
-                    unsafe { t(src[plane..].as_ptr(), n, tile.as_mut_ptr(), 8) };
-                    for (i, row) in tile.chunks_exact(8).enumerate() {
-                        let d = at(p0 + i).0 + c0;
-                        dst[d..d + 8].copy_from_slice(row);
-                    }
-                }
-                (Direction::ToPlanes, false) => {
-                    for (i, row) in tile.chunks_exact_mut(8).enumerate() {
-                        let s = at(p0 + i).0 + c0;
-                        row.copy_from_slice(&src[s..s + 8]);
-                    }
-                    unsafe { t(tile.as_ptr(), 8, dst[plane..].as_mut_ptr(), n) };
+            // SAFETY: every pointer addresses 8 floats inside its slice: planes `c0..c0+8`
+            // hold pixels `p0..p0+8` (planes length asserted), and pixel `p`'s channels
+            // `c0..c0+8` sit at `at(p) + c0`, below the last pixel's end (asserted); `src` and
+            // `dst` are distinct slices. The kernel's ISA is this CPU's.
+            unsafe {
+                match dir {
+                    Direction::ToPixels => t(
+                        &std::array::from_fn(|i| src_ptr.add(plane + i * n)),
+                        &px.map(|o| dst_ptr.add(o + c0)),
+                    ),
+                    Direction::ToPlanes => t(
+                        &px.map(|o| src_ptr.add(o + c0)),
+                        &std::array::from_fn(|j| dst_ptr.add(plane + j * n)),
+                    ),
                 }
             }
         }
@@ -964,7 +970,7 @@ fn blocks(
         if channels.is_empty() {
             continue;
         }
-        let px = at(p).0;
+        let px = at(p);
         for c in channels {
             match dir {
                 Direction::ToPixels => dst[px + c] = src[c * n + p],

@@ -19,7 +19,7 @@ pub(crate) mod generated_layout {
     include!(concat!(env!("OUT_DIR"), "/layout.rs"));
 }
 
-pub(crate) use generated_layout::Transpose8x8;
+pub(crate) use generated_layout::{Transpose8x8, TransposeRows8x8};
 
 /// The generated Winograd transforms.
 #[allow(clippy::all)]
@@ -52,12 +52,22 @@ pub(crate) fn wino_at(m: usize) -> &'static [&'static [f64]] {
 
 /// The best 8x8 transpose kernel `isa` can run.
 pub(crate) fn transpose_8x8(isa: Isa) -> generated_layout::Transpose8x8 {
-    generated_layout::TRANSPOSE_8X8
+    best_layout(generated_layout::TRANSPOSE_8X8, isa)
+}
+
+/// The best 8x8 transpose over row pointers `isa` can run.
+pub(crate) fn transpose_rows_8x8(isa: Isa) -> generated_layout::TransposeRows8x8 {
+    best_layout(generated_layout::TRANSPOSE_ROWS_8X8, isa)
+}
+
+/// The entry of a layout registry for the highest ISA of `isa`'s family up to `isa` (every
+/// registry starts with its scalar kernel).
+fn best_layout<F: Copy>(table: &[(Isa, F)], isa: Isa) -> F {
+    table
         .iter()
         .rev()
         .find(|(i, _)| *i <= isa && (*i == Isa::Scalar || i.family() == isa.family()))
-        .map(|&(_, f)| f)
-        .unwrap_or(generated_layout::transpose_8x8_scalar)
+        .map_or(table[0].1, |&(_, f)| f)
 }
 
 /// The generated int8 GEMM microkernels.
