@@ -828,7 +828,9 @@ fn blocked_scratch(g: &Geometry, kern: &DwKernel) -> usize {
 /// 14x14 64 vs 51, on 7x7 49 vs 41 through the 8-lane kernel; 5x5 on 28x28 60 vs 45; AVX2:
 /// 7x7 on 56x56 69 vs 41, on 28x28 46 vs 50, on 7x7 34 vs 30; 5x5 53 vs 34), and 3x3
 /// everywhere but on images at most 8 wide (7x7: 16 vs 17 at AVX-512, 11 vs 12 at AVX2;
-/// 28x28: 40 vs 26).
+/// 28x28: 40 vs 26). Measured again with the row-pointer transposes (3x3, AVX-512, three
+/// rounds, ms planes vs blocked): 14x14 0.051-0.082 vs 0.087-0.137, 28x28 0.053-0.059 vs
+/// 0.106-0.161, 10x10 a tie (0.045-0.073 vs 0.047-0.052).
 fn blocked_wins(g: &Geometry, channel_kernel: &DwKernel) -> bool {
     match channel_kernel.fixed {
         Some((k, _)) => k <= 3 && g.ow <= 8,
