@@ -8,7 +8,9 @@
 //!   is B, and mostly it is not packed at all: the kernels' row-pointer variants read B rows
 //!   from one shifted copy of the input per (channel, kx) that every ky shares (vertical
 //!   stride 1), from one copy per (channel, stride phase) that taps share along x (1-D), or
-//!   straight from the input (1x1, stride 1). Other shapes pack im2col panels.
+//!   straight from the input (1x1, stride 1). Other shapes fill the im2col rows of the block
+//!   (or, for kernels without a row-pointer variant, packed panels); with stride 2-4 along x,
+//!   the taps side by side are de-interleaved from one pass over the input.
 //! - NHWC: `C[pixels x c_out/g] = im2col[pixels x K] · W^T[K x c_out/g]` over the whole batch
 //!   per group, K ordered (ky, kx, ci) so each tap reads a contiguous run of channels; the
 //!   weights are the B operand, packed at create time; bias goes by column.
@@ -451,7 +453,8 @@ impl Im2colNchw<'_> {
     fn scratch(g: &Geometry, kc: usize, nc: usize, nr: usize) -> usize {
         let padded = nc.div_ceil(nr) * nr;
         let channels = kc / (g.kh * g.kw);
-        let mut floats = kc * padded;
+        // Panels, or im2col rows (see `block`).
+        let mut floats = kc * off_4k(padded);
         if Self::shifted(g, 0, kc) {
             floats += channels * g.kw * copy_len(g, padded);
         }
@@ -489,6 +492,156 @@ impl Im2colNchw<'_> {
             j += len;
             oy += 1;
             ox = 0;
+        }
+    }
+
+    /// Rows `k0..k0+kc` of the im2col matrix, `stride` floats apart in `dst`, each for the
+    /// `cnt` output pixels from (oy, ox). Counters instead of divisions: in panels this runs
+    /// once per 32 floats.
+    #[inline(always)]
+    fn fill_rows(
+        &self,
+        dst: &mut [f32],
+        stride: usize,
+        cnt: usize,
+        k0: usize,
+        kc: usize,
+        pix: (usize, usize),
+    ) {
+        let g = self.g;
+        let taps = g.kh * g.kw;
+        let (mut ci, mut ky, mut kx) = (k0 / taps, k0 % taps / g.kw, k0 % g.kw);
+        let mut kk = 0;
+        while kk < kc {
+            let row = &mut dst[kk * stride..];
+            // Rows filled by this step: `sw` taps side by side read one span together.
+            let together = g.dw == 1 && (2..=4).contains(&g.sw);
+            let step = if together && kx + g.sw <= g.kw && kk + g.sw <= kc {
+                let at = (ci, ky, kx);
+                match g.sw {
+                    2 => self.fill_taps::<2>(row, stride, cnt, at, pix),
+                    3 => self.fill_taps::<3>(row, stride, cnt, at, pix),
+                    _ => self.fill_taps::<4>(row, stride, cnt, at, pix),
+                }
+                g.sw
+            } else {
+                self.fill(&mut row[..cnt], ci, ky, kx, pix);
+                1
+            };
+            kk += step;
+            kx += step;
+            if kx == g.kw {
+                kx = 0;
+                ky += 1;
+                if ky == g.kh {
+                    ky = 0;
+                    ci += 1;
+                }
+            }
+        }
+    }
+
+    /// Rows (ci, ky, kx + k) for every k < S of `dst` (rows of `r` floats; the first `cnt` of
+    /// each), when the stride along x is S and the dilation 1: an output pixel's S taps are
+    /// then S consecutive input floats, so one pass over each input span de-interleaves all S
+    /// rows, where S separate gathers would each load the whole span.
+    #[inline(always)]
+    fn fill_taps<const S: usize>(
+        &self,
+        dst: &mut [f32],
+        r: usize,
+        cnt: usize,
+        (ci, ky, kx): (usize, usize, usize),
+        (oy, ox): (usize, usize),
+    ) {
+        let g = self.g;
+        let plane = &self.input[ci * g.h * g.w..][..g.h * g.w];
+        let mut rows = dst.chunks_exact_mut(r);
+        let mut rows: [&mut [f32]; S] = std::array::from_fn(|_| rows.next().unwrap_or_default());
+        let (mut oy, mut ox) = (oy, ox);
+        let mut j = 0;
+        while j < cnt {
+            let len = (cnt - j).min(g.ow - ox);
+            let iy = (oy * g.sh + ky * g.dh) as isize - g.pad_top as isize;
+            let ix0 = (ox * S + kx) as isize - g.pad_left as isize;
+            let mut runs = rows.each_mut().map(|row| &mut row[j..j + len]);
+            if iy < 0 || iy >= g.h as isize {
+                runs.into_iter().for_each(zero_run);
+            } else {
+                let src = &plane[iy as usize * g.w..][..g.w];
+                let (w, s) = (g.w as isize, S as isize);
+                // Pixels lo..hi read all S taps inside the row; the rest go one tap at a time.
+                let lo = if ix0 >= 0 { 0 } else { (-ix0 + s - 1) / s }.min(len as isize);
+                let hi = (w - ix0).div_euclid(s).clamp(lo, len as isize);
+                let (lo, hi) = (lo as usize, hi as usize);
+                let first = (ix0 + (lo * S) as isize) as usize;
+                if hi > lo {
+                    deinterleave::<S>(&mut runs, lo, hi, &src[first..first + (hi - lo) * S]);
+                }
+                if lo > 0 || hi < len {
+                    for (k, run) in runs.into_iter().enumerate() {
+                        let (head, tail) = run.split_at_mut(hi);
+                        fill_run(&mut head[..lo], Some(src), ix0 + k as isize, S);
+                        fill_run(tail, Some(src), ix0 + k as isize + (hi * S) as isize, S);
+                    }
+                }
+            }
+            j += len;
+            oy += 1;
+            ox = 0;
+        }
+    }
+}
+
+/// `runs[k][lo + t] = src[t·S + k]` for t < hi - lo: S interleaved rows pulled apart, 16
+/// pixels at a time with sizes the compiler knows, so that it shuffles whole vectors (a
+/// partial last block goes through a zeroed block on the stack).
+#[inline(always)]
+fn deinterleave<const S: usize>(runs: &mut [&mut [f32]; S], lo: usize, hi: usize, src: &[f32]) {
+    const T: usize = 16;
+    /// Evens and odds of `N` floats: one two-source shuffle a vector.
+    #[inline(always)]
+    fn halves<const N: usize, const H: usize>(x: &[f32]) -> ([f32; H], [f32; H]) {
+        let x: &[f32; N] = x.try_into().unwrap_or(&[0.0; N]);
+        (
+            std::array::from_fn(|i| x[2 * i]),
+            std::array::from_fn(|i| x[2 * i + 1]),
+        )
+    }
+    #[inline(always)]
+    fn block<const S: usize>(src: &[f32]) -> [[f32; T]; S] {
+        let mut x = [[0.0f32; T]; S];
+        match S {
+            // Two rounds of evens and odds: the compiler's own 4-way split is slower.
+            4 => {
+                let (e, o) = halves::<64, 32>(src);
+                (x[0], x[2]) = halves::<32, 16>(&e);
+                (x[1], x[3]) = halves::<32, 16>(&o);
+            }
+            _ => {
+                for t in 0..T {
+                    for k in 0..S {
+                        x[k][t] = src[t * S + k];
+                    }
+                }
+            }
+        }
+        x
+    }
+    let n = hi - lo;
+    let mut outs = runs.each_mut().map(|run| &mut run[lo..hi]);
+    let whole = n / T * T;
+    for (b, src) in src[..whole * S].chunks_exact(T * S).enumerate() {
+        for (out, xk) in outs.iter_mut().zip(&block::<S>(src)) {
+            out[b * T..(b + 1) * T].copy_from_slice(xk);
+        }
+    }
+    if whole < n {
+        let m = n - whole;
+        let mut buf = [[0.0f32; T]; S];
+        copy_run(&mut buf.as_flattened_mut()[..m * S], &src[whole * S..n * S]);
+        for (out, xk) in outs.iter_mut().zip(&block::<S>(buf.as_flattened())) {
+            copy_run(&mut out[whole..], &xk[..m]);
         }
     }
 }
@@ -618,6 +771,16 @@ impl BlockB for Im2colNchw<'_> {
                 }
                 BBlock::Rows { stride: r }
             }
+            Some(rows) if !Self::pointwise(g) => {
+                // Every other shape: the im2col rows themselves, each filled in one pass over
+                // the block's pixels (packing micro-panels cuts each row into runs of `r`).
+                let lr = off_4k(len.div_ceil(r) * r);
+                self.fill_rows(dst, lr, len, k0, kc, (p0 / g.ow, p0 % g.ow));
+                for (kk, row) in rows[..kc].iter_mut().enumerate() {
+                    *row = dst[kk * lr..].as_ptr();
+                }
+                BBlock::Rows { stride: r }
+            }
             _ => {
                 let (ptr, stride) = self.panels(start, len, k0, kc, r, dst);
                 BBlock::Panels { ptr, stride }
@@ -660,33 +823,22 @@ impl Panels for Im2colNchw<'_> {
                 }
             }
         } else {
-            // Counters instead of divisions: this loop runs once per 32 floats.
-            let (mut ci, mut ky, mut kx) = (k0 / taps, k0 % taps / g.kw, k0 % g.kw);
-            let (c0, ky0, kx0) = (ci, ky, kx);
             let (mut oy, mut ox) = (p0 / g.ow, p0 % g.ow);
             for (q, panel) in panels.chunks_exact_mut(kc * r).enumerate() {
                 let cnt = r.min(len - q * r);
-                (ci, ky, kx) = (c0, ky0, kx0);
-                for row in panel.chunks_exact_mut(r) {
-                    if pointwise {
-                        // 1x1, stride 1, no padding: the rows of B are the input channels.
-                        copy_run(
-                            &mut row[..cnt],
-                            &self.input[ci * plane + p0 + q * r..][..cnt],
-                        );
-                    } else {
-                        self.fill(&mut row[..cnt], ci, ky, kx, (oy, ox));
+                if pointwise {
+                    // 1x1, stride 1, no padding: the rows of B are the input channels.
+                    for (kk, row) in panel.chunks_exact_mut(r).enumerate() {
+                        let src = &self.input[(k0 + kk) * plane + p0 + q * r..][..cnt];
+                        copy_run(&mut row[..cnt], src);
                     }
-                    zero_run(&mut row[cnt..]);
-                    kx += 1;
-                    if kx == g.kw {
-                        kx = 0;
-                        ky += 1;
-                        if ky == g.kh {
-                            ky = 0;
-                            ci += 1;
-                        }
-                    }
+                } else {
+                    self.fill_rows(panel, r, cnt, k0, kc, (oy, ox));
+                }
+                if cnt < r {
+                    panel
+                        .chunks_exact_mut(r)
+                        .for_each(|row| zero_run(&mut row[cnt..]));
                 }
                 ox += r;
                 while ox >= g.ow {
