@@ -582,7 +582,8 @@ fn emit_nchw(v: &Simd, spec: &DwSpec) -> TokenStream {
 
 /// The loop of an NCHW kernel over blocks of `rows` output rows and one vector of columns:
 /// `full` where every tap of the block lands inside the row (`reach` floats from the first),
-/// `edge` elsewhere. Blocks see `oy`, `rows_left`, `iy0`, `ox` and `ix0`.
+/// `edge` elsewhere. Blocks see `oy`, `rows_left` (with more than one row), `iy0`, `ox` and
+/// `ix0`.
 pub(crate) fn row_blocks(
     rows: usize,
     stride: usize,
@@ -590,11 +591,13 @@ pub(crate) fn row_blocks(
     full: TokenStream,
     edge: TokenStream,
 ) -> TokenStream {
+    // One row a block never checks how many rows are left.
+    let rows_left = (rows > 1).then(|| quote!(let rows_left = a.oy1 - oy;));
     let (rows, sl, reach) = (lit(rows), lit(stride), lit(reach));
     quote! {
             let mut oy = a.oy0;
             while oy < a.oy1 {
-                let rows_left = a.oy1 - oy;
+                #rows_left
                 let iy0 = (oy * #sl) as isize - pt;
                 let mut ox = 0isize;
                 while ox < ow {

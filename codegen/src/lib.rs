@@ -281,7 +281,7 @@ pub fn direct_f32() -> Vec<DirectSpec> {
     let mut specs = Vec::new();
     for isa in Isa::ALL {
         let blocks: &[usize] = match isa {
-            Isa::Avx512 | Isa::Neon => &[4, 8],
+            Isa::Avx512 | Isa::Neon => &[4, 8, 16],
             Isa::Avx2 | Isa::Scalar => &[4],
         };
         for &shape in DIRECT_SHAPES {
