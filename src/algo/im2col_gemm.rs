@@ -594,8 +594,8 @@ impl Im2colNchw<'_> {
 }
 
 /// `runs[k][lo + t] = src[t·S + k]` for t < hi - lo: S interleaved rows pulled apart, 16
-/// pixels at a time with sizes the compiler knows, so that it shuffles whole vectors (a
-/// partial last block goes through a zeroed block on the stack).
+/// pixels at a time with sizes the compiler knows, so that it shuffles whole vectors (fewer
+/// than 16 go through a block on the stack).
 #[inline(always)]
 fn deinterleave<const S: usize>(runs: &mut [&mut [f32]; S], lo: usize, hi: usize, src: &[f32]) {
     const T: usize = 16;
@@ -603,10 +603,11 @@ fn deinterleave<const S: usize>(runs: &mut [&mut [f32]; S], lo: usize, hi: usize
     #[inline(always)]
     fn halves<const N: usize, const H: usize>(x: &[f32]) -> ([f32; H], [f32; H]) {
         let x: &[f32; N] = x.try_into().unwrap_or(&[0.0; N]);
-        (
-            std::array::from_fn(|i| x[2 * i]),
-            std::array::from_fn(|i| x[2 * i + 1]),
-        )
+        let (mut e, mut o) = ([0.0; H], [0.0; H]);
+        for i in 0..H {
+            (e[i], o[i]) = (x[2 * i], x[2 * i + 1]);
+        }
+        (e, o)
     }
     #[inline(always)]
     fn block<const S: usize>(src: &[f32]) -> [[f32; T]; S] {
@@ -630,18 +631,24 @@ fn deinterleave<const S: usize>(runs: &mut [&mut [f32]; S], lo: usize, hi: usize
     }
     let n = hi - lo;
     let mut outs = runs.each_mut().map(|run| &mut run[lo..hi]);
-    let whole = n / T * T;
-    for (b, src) in src[..whole * S].chunks_exact(T * S).enumerate() {
-        for (out, xk) in outs.iter_mut().zip(&block::<S>(src)) {
-            out[b * T..(b + 1) * T].copy_from_slice(xk);
+    if n >= T {
+        // Whole blocks, the last one overlapping the one before where T does not divide n.
+        let mut t0 = 0;
+        loop {
+            let x = block::<S>(&src[t0 * S..(t0 + T) * S]);
+            for (out, xk) in outs.iter_mut().zip(&x) {
+                out[t0..t0 + T].copy_from_slice(xk);
+            }
+            if t0 + T == n {
+                break;
+            }
+            t0 = (t0 + T).min(n - T);
         }
-    }
-    if whole < n {
-        let m = n - whole;
+    } else {
         let mut buf = [[0.0f32; T]; S];
-        copy_run(&mut buf.as_flattened_mut()[..m * S], &src[whole * S..n * S]);
+        copy_run(&mut buf.as_flattened_mut()[..n * S], &src[..n * S]);
         for (out, xk) in outs.iter_mut().zip(&block::<S>(buf.as_flattened())) {
-            copy_run(&mut out[whole..], &xk[..m]);
+            copy_run(out, &xk[..n]);
         }
     }
 }
