@@ -161,6 +161,41 @@ fn blocking_boundaries_match_reference() {
     }
 }
 
+/// Strides 2-4 along x with kernels at least as wide (the random shapes stop at stride 3):
+/// the im2col fill that de-interleaves the taps side by side, with runs shorter than 16
+/// pixels, of whole 16s and with a ragged rest, padded on either side or not, the 4x4
+/// stride-4 patchify stem among them.
+#[test]
+fn strided_taps_match_reference() {
+    for (cin, cout, h, w, k, s, pad) in [
+        (3, 10, 12, 148, 4, 4, 0),
+        (2, 9, 9, 71, 3, 2, 1),
+        (2, 7, 7, 50, 5, 3, 2),
+        (3, 8, 8, 22, 4, 4, 1),
+        (2, 6, 9, 90, 7, 4, 3),
+        (1, 5, 6, 64, 4, 4, 0),
+    ] {
+        let p = ConvParams::conv2d(cin, cout, [k, k])
+            .with_stride([s, s])
+            .with_padding(Padding::Explicit {
+                top: pad,
+                bottom: pad,
+                left: pad,
+                right: pad,
+            });
+        let case = Case {
+            params: p,
+            batch: 2,
+            h,
+            w,
+            bias: true,
+            residual: false,
+            seed: 11,
+        };
+        check(&case).unwrap();
+    }
+}
+
 /// 1-D convolutions through `Conv1d`, with the strided 3-tap shape of Whisper's front end.
 #[test]
 fn conv1d_matches_reference() {

@@ -277,7 +277,8 @@ pub const DIRECT_SHAPES: &[(usize, usize)] = &[(3, 1), (3, 2), (7, 2), (4, 4)];
 /// The f32 direct kernels: every shape of [`DIRECT_SHAPES`] for every ISA, computing 4 output
 /// channels a call (for groups of 4, as ResNeXt's) and, with 32 registers, 8 (2 rows) and 16
 /// (1 row): for wider groups and stems that divides the loads and the stride-2 and stride-4
-/// shuffles a multiply-add by 2 and 4 (stems 1.0-1.2x over 8 channels at AVX-512).
+/// shuffles a multiply-add by 2 and 4 (stems 1.0-1.1x over 8 channels at AVX-512; NEON's
+/// choice of 16 is not measured).
 pub fn direct_f32() -> Vec<DirectSpec> {
     let mut specs = Vec::new();
     for isa in Isa::ALL {

@@ -776,9 +776,9 @@ fn weights_blocked<const F: bool>(
     }
 }
 
-/// `dst[i] += w·src[i]`. Below 64 floats (56 at stride 2 on a 112-wide image) the compiler's
-/// own loop of four 16-float vectors never runs and leaves all to its scalar rest, so short
-/// rows go 16 and then 8 floats at a time with sizes the compiler knows.
+/// `dst[i] += w·src[i]`. Rows under 64 floats (56 at stride 2 on a 112-wide image) go 16 and
+/// then 8 floats at a time with sizes the compiler knows: its own loop, unrolled to 64 floats,
+/// ran dw3x3s2_112's backward data 1.23x slower.
 #[inline(always)]
 fn axpy<const F: bool>(dst: &mut [f32], src: &[f32], w: f32) {
     #[inline(always)]

@@ -478,17 +478,34 @@ impl Im2colNchw<'_> {
     /// for every t.
     /// Pixels past the last output row read below the image, which is zero padding.
     #[inline(always)]
-    fn fill(&self, dst: &mut [f32], ci: usize, ky: usize, kx: usize, (oy, ox): (usize, usize)) {
+    fn fill(&self, dst: &mut [f32], ci: usize, ky: usize, kx: usize, pix: (usize, usize)) {
+        let sw = self.g.sw;
+        self.each_run(dst.len(), (ci, ky, kx), pix, |run, row, ix0| {
+            fill_run(&mut dst[run], row, ix0, sw)
+        });
+    }
+
+    /// Splits `cnt` output pixels from (oy, ox) into runs along one output row and calls
+    /// `f(run, row, ix0)` for each: `run` the pixels' indices, `row` the input row tap row `ky`
+    /// of channel `ci` reads there (`None`: padding), `ix0` the input column tap column `kx`
+    /// reads at the run's first pixel.
+    #[inline(always)]
+    fn each_run(
+        &self,
+        cnt: usize,
+        (ci, ky, kx): (usize, usize, usize),
+        (oy, ox): (usize, usize),
+        mut f: impl FnMut(std::ops::Range<usize>, Option<&[f32]>, isize),
+    ) {
         let g = self.g;
         let plane = &self.input[ci * g.h * g.w..][..g.h * g.w];
-        let (mut oy, mut ox) = (oy, ox);
-        let mut j = 0;
-        while j < dst.len() {
-            let len = (dst.len() - j).min(g.ow - ox);
+        let (mut oy, mut ox, mut j) = (oy, ox, 0);
+        while j < cnt {
+            let len = (cnt - j).min(g.ow - ox);
             let iy = (oy * g.sh + ky * g.dh) as isize - g.pad_top as isize;
             let ix0 = (ox * g.sw + kx * g.dw) as isize - g.pad_left as isize;
             let row = (iy >= 0 && iy < g.h as isize).then(|| &plane[iy as usize * g.w..][..g.w]);
-            fill_run(&mut dst[j..j + len], row, ix0, g.sw);
+            f(j..j + len, row, ix0);
             j += len;
             oy += 1;
             ox = 0;
@@ -551,45 +568,36 @@ impl Im2colNchw<'_> {
         dst: &mut [f32],
         r: usize,
         cnt: usize,
-        (ci, ky, kx): (usize, usize, usize),
-        (oy, ox): (usize, usize),
+        at: (usize, usize, usize),
+        pix: (usize, usize),
     ) {
-        let g = self.g;
-        let plane = &self.input[ci * g.h * g.w..][..g.h * g.w];
+        let w = self.g.w as isize;
         let mut rows = dst.chunks_exact_mut(r);
         let mut rows: [&mut [f32]; S] = std::array::from_fn(|_| rows.next().unwrap_or_default());
-        let (mut oy, mut ox) = (oy, ox);
-        let mut j = 0;
-        while j < cnt {
-            let len = (cnt - j).min(g.ow - ox);
-            let iy = (oy * g.sh + ky * g.dh) as isize - g.pad_top as isize;
-            let ix0 = (ox * S + kx) as isize - g.pad_left as isize;
-            let mut runs = rows.each_mut().map(|row| &mut row[j..j + len]);
-            if iy < 0 || iy >= g.h as isize {
+        self.each_run(cnt, at, pix, |run, row, ix0| {
+            let len = run.len();
+            let mut runs = rows.each_mut().map(|row| &mut row[run.clone()]);
+            let Some(src) = row else {
                 runs.into_iter().for_each(zero_run);
-            } else {
-                let src = &plane[iy as usize * g.w..][..g.w];
-                let (w, s) = (g.w as isize, S as isize);
-                // Pixels lo..hi read all S taps inside the row; the rest go one tap at a time.
-                let lo = if ix0 >= 0 { 0 } else { (-ix0 + s - 1) / s }.min(len as isize);
-                let hi = (w - ix0).div_euclid(s).clamp(lo, len as isize);
-                let (lo, hi) = (lo as usize, hi as usize);
-                let first = (ix0 + (lo * S) as isize) as usize;
-                if hi > lo {
-                    deinterleave::<S>(&mut runs, lo, hi, &src[first..first + (hi - lo) * S]);
-                }
-                if lo > 0 || hi < len {
-                    for (k, run) in runs.into_iter().enumerate() {
-                        let (head, tail) = run.split_at_mut(hi);
-                        fill_run(&mut head[..lo], Some(src), ix0 + k as isize, S);
-                        fill_run(tail, Some(src), ix0 + k as isize + (hi * S) as isize, S);
-                    }
+                return;
+            };
+            let s = S as isize;
+            // Pixels lo..hi read all S taps inside the row; the rest go one tap at a time.
+            let lo = if ix0 >= 0 { 0 } else { (-ix0 + s - 1) / s }.min(len as isize);
+            let hi = (w - ix0).div_euclid(s).clamp(lo, len as isize);
+            let (lo, hi) = (lo as usize, hi as usize);
+            let first = (ix0 + (lo * S) as isize) as usize;
+            if hi > lo {
+                deinterleave::<S>(&mut runs, lo, hi, &src[first..first + (hi - lo) * S]);
+            }
+            if lo > 0 || hi < len {
+                for (k, run) in runs.into_iter().enumerate() {
+                    let (head, tail) = run.split_at_mut(hi);
+                    fill_run(&mut head[..lo], Some(src), ix0 + k as isize, S);
+                    fill_run(tail, Some(src), ix0 + k as isize + (hi * S) as isize, S);
                 }
             }
-            j += len;
-            oy += 1;
-            ox = 0;
-        }
+        });
     }
 }
 
