@@ -554,24 +554,33 @@ impl BackwardPlan {
         ])?;
         let scratch = ws.floats(self.workspace_bytes() / 4)?;
         let add = accumulate == Accumulate::Add;
-        match (&self.inner.weights, &self.weights) {
+        let (x, dy, dw, db) = (input, grad_output, grad_weights, grad_bias);
+        // The depthwise kernels sum the bias gradient themselves (from output-gradient planes
+        // they read anyway, where they can); the others leave it to one pass at the end.
+        let db = match (&self.inner.weights, &self.weights) {
             (WeightPath::Direct(d), WeightPlan::Depthwise(p)) => {
-                d.run_weights(p, g, input, grad_output, grad_weights, add, scratch)
+                d.run_weights(p, g, x, dy, dw, db, add, scratch);
+                return Ok(());
+            }
+            (WeightPath::Depthwise, WeightPlan::Depthwise(p)) => {
+                let Some(d) = &self.inner.data.depthwise else {
+                    unreachable!("depthwise weights are packed for depthwise convolutions")
+                };
+                d.run_weights(p, g, x, dy, dw, db, add, scratch);
+                return Ok(());
             }
             (WeightPath::Gemm(w, _), WeightPlan::Gemm(p)) => {
-                w.run(p, g, input, grad_output, grad_weights, add, scratch)
+                w.run(p, g, x, dy, dw, add, scratch);
+                db
             }
             (WeightPath::Gemm(_, Some(wg)), WeightPlan::Winograd(p)) => {
-                wg.run(p, g, input, grad_output, grad_weights, add, scratch)
+                wg.run(p, g, x, dy, dw, add, scratch);
+                db
             }
-            (WeightPath::Depthwise, WeightPlan::Depthwise(p)) => match &self.inner.data.depthwise {
-                Some(d) => d.run_weights(p, g, input, grad_output, grad_weights, add, scratch),
-                None => unreachable!("depthwise weights are packed for depthwise convolutions"),
-            },
             _ => unreachable!("a plan is made by its pass's path"),
-        }
-        if let Some(db) = grad_bias {
-            backward_gemm::grad_bias(g, grad_output, db, add);
+        };
+        if let Some(db) = db {
+            backward_gemm::grad_bias(g, dy, db, add);
         }
         Ok(())
     }

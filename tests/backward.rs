@@ -228,6 +228,11 @@ fn backward_on_layer_shapes() {
         (24, 24, 3, 2, 1, 24, 75),
         (64, 64, 3, 1, 1, 8, 10),
         (3, 16, 7, 2, 3, 1, 23),
+        // NCHW 3x3 stride-1 depthwise weight gradients on wide images: the plane path's
+        // passes of four output rows (with one and two rows left over), its output gradient
+        // read in place (64 wide) or copied into whole lanes (65 wide).
+        (8, 8, 3, 1, 1, 8, 61),
+        (8, 8, 3, 1, 1, 8, 62),
         // Winograd weight gradients (`winograd_weight_tiles` checks which tile each takes):
         // F(4,3) with ragged tiles, F(4,3) unpadded, grouped, and F(2,3).
         (20, 36, 3, 1, 1, 1, 23),
@@ -254,6 +259,20 @@ fn backward_on_layer_shapes() {
             check_transposed(&case, [s - 1, 0]).unwrap();
         }
     }
+    // A 5x3 depthwise kernel on a wide image: the plane path's passes of three tap rows
+    // and then two.
+    let case = Case {
+        params: ConvParams::conv2d(8, 8, [5, 3])
+            .with_padding(Padding::symmetric(2, 1))
+            .with_groups(8),
+        batch: 2,
+        h: 9,
+        w: 70,
+        bias: true,
+        residual: false,
+        seed: 98,
+    };
+    check_backward(&case).unwrap();
     // A 1-D 3-tap layer long enough for Winograd weight gradients.
     let case = Case {
         params: ConvParams::conv2d(24, 16, [1, 3]).with_padding(Padding::symmetric(0, 1)),

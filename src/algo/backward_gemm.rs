@@ -1125,6 +1125,18 @@ impl BlockB for PatchColsB<'_> {}
 impl BlockB for TapRowsB<'_> {}
 impl BlockB for GradOutA<'_> {}
 
+/// The sum of an output-gradient plane: 16 f32 lanes, summed in f64.
+#[inline(always)]
+pub(crate) fn plane_sum(plane: &[f32]) -> f64 {
+    let mut lanes = [0.0f32; 16];
+    let chunks = plane.chunks_exact(16);
+    let rest = chunks.remainder().iter().map(|&v| v as f64).sum::<f64>();
+    for ch in chunks {
+        lanes.iter_mut().zip(ch).for_each(|(l, &v)| *l += v);
+    }
+    rest + lanes.iter().map(|&v| v as f64).sum::<f64>()
+}
+
 /// `db (+)= Σ over images and pixels of dy`, per output channel.
 pub(crate) fn grad_bias(g: &Geometry, dy: &[f32], db: &mut [f32], accumulate: bool) {
     if !accumulate {
@@ -1135,17 +1147,9 @@ pub(crate) fn grad_bias(g: &Geometry, dy: &[f32], db: &mut [f32], accumulate: bo
         // A plane at a time in 16 f32 lanes, the lanes and planes summed in f64.
         Layout::Nchw => {
             for (c, d) in db.iter_mut().enumerate() {
-                let mut s = 0.0f64;
-                for n in 0..g.batch {
-                    let plane = &dy[(n * g.c_out + c) * pixels..][..pixels];
-                    let mut lanes = [0.0f32; 16];
-                    let chunks = plane.chunks_exact(16);
-                    s += chunks.remainder().iter().map(|&v| v as f64).sum::<f64>();
-                    for ch in chunks {
-                        lanes.iter_mut().zip(ch).for_each(|(l, &v)| *l += v);
-                    }
-                    s += lanes.iter().map(|&v| v as f64).sum::<f64>();
-                }
+                let s: f64 = (0..g.batch)
+                    .map(|n| plane_sum(&dy[(n * g.c_out + c) * pixels..][..pixels]))
+                    .sum();
                 *d += s as f32;
             }
         }

@@ -14,8 +14,8 @@
 //! Every kernel is compiled for the plan's ISA ([`isa_dispatch`]) and left to the compiler to
 //! vectorise: the loops are contiguous multiply-adds.
 
-use super::backward_gemm::{isa_dispatch, madd, taps_inside, Epilogue};
-use super::{for_each_worker, SendPtr};
+use super::backward_gemm::{grad_bias, isa_dispatch, madd, plane_sum, taps_inside, Epilogue};
+use super::{copy_run, for_each_worker, zero_run, SendPtr};
 use crate::cpu::generated_layout::Transpose8x8;
 use crate::cpu::Isa;
 use crate::params::Geometry;
@@ -48,6 +48,7 @@ isa_dispatch!(fn weights_nchw_at = weights_nchw(
     x: &[f32],
     dy: &[f32],
     dw: &mut [f32],
+    db: Option<&mut f32>,
     accumulate: bool,
     scratch: &mut [f32],
     oc: usize,
@@ -177,7 +178,10 @@ impl DwBackward {
             ),
         };
         let blocked_scratch = blocked_floats(g);
-        let blocked = g.cin_g() == 1 && g.cout_g() == 1 && blocked_scratch <= BLOCKED_MAX;
+        let blocked = g.cin_g() == 1
+            && g.cout_g() == 1
+            && blocked_scratch <= BLOCKED_MAX
+            && !(self.layout == Layout::Nchw && rows_pass_wins(g, self.isa));
         if blocked {
             (weight_items, weight_scratch) = (g.c_out.div_ceil(BLOCK), blocked_scratch);
         }
@@ -268,7 +272,7 @@ impl DwBackward {
         });
     }
 
-    /// `dw (+)= backward-weights(x, dy)`.
+    /// `dw (+)= backward-weights(x, dy)`, and `db (+)= Σ dy` per output channel if given.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn run_weights(
         &self,
@@ -277,10 +281,17 @@ impl DwBackward {
         x: &[f32],
         dy: &[f32],
         dw: &mut [f32],
+        mut db: Option<&mut [f32]>,
         accumulate: bool,
         scratch: &mut [f32],
     ) {
         let out = SendPtr(dw.as_mut_ptr());
+        // The plane path sums each channel's output gradient as it reads it.
+        let planes = self.layout == Layout::Nchw && !plan.blocked;
+        let bias = SendPtr(match &mut db {
+            Some(db) if planes => db.as_mut_ptr(),
+            _ => std::ptr::null_mut(),
+        });
         let scratch = &mut scratch[..plan.workers * plan.weight_scratch];
         let items = match self.layout {
             _ if plan.blocked => g.c_out.div_ceil(BLOCK),
@@ -299,7 +310,9 @@ impl DwBackward {
                         weights_blocked_at(self.isa, t, g, x, dy, dw, accumulate, s, item)
                     }
                     Layout::Nchw => {
-                        weights_nchw_at(self.isa, plan, g, x, dy, dw, accumulate, s, item)
+                        let db = bias.get();
+                        let db = (!db.is_null()).then(|| &mut *db.add(item));
+                        weights_nchw_at(self.isa, plan, g, x, dy, dw, db, accumulate, s, item)
                     }
                     Layout::Nhwc => {
                         weights_nhwc_at(self.isa, plan, g, x, dy, dw, accumulate, s, item)
@@ -307,6 +320,9 @@ impl DwBackward {
                 }
             }
         });
+        if let Some(db) = db.filter(|_| !planes) {
+            grad_bias(g, dy, db, accumulate);
+        }
     }
 }
 
@@ -322,9 +338,10 @@ fn padded_rows(g: &Geometry) -> usize {
 }
 
 /// Floats of one stride phase of a zero-padded input row: every column a tap reads for the
-/// lane-padded output row, `j + (kx·dw)/sw` for `j < padded_ow`.
+/// lane-padded output row, `j + (kx·dw)/sw` for `j < padded_ow`, rounded up to whole lanes
+/// so that every row starts on a vector boundary.
 fn phase_len(g: &Geometry) -> usize {
-    padded_ow(g) + (g.kw - 1) * g.dw / g.sw + 1
+    (padded_ow(g) + (g.kw - 1) * g.dw / g.sw + 1).next_multiple_of(LANES)
 }
 
 /// One input channel of one image (NCHW): every row, gathered a stride phase at a time.
@@ -466,11 +483,13 @@ fn weights_nchw<const F: bool>(
     x: &[f32],
     dy: &[f32],
     dw: &mut [f32],
+    db: Option<&mut f32>,
     accumulate: bool,
     scratch: &mut [f32],
     oc: usize,
 ) {
     let (cin_g, s, taps) = (g.cin_g(), g.sw, g.kh * g.kw);
+    let mut bias = 0.0f64;
     let c0 = oc / g.cout_g() * cin_g; // the group's first input channel
     let (owp, len, rows) = (padded_ow(g), phase_len(g), padded_rows(g));
     let (dy_plane, rest) = scratch.split_at_mut(g.oh * owp);
@@ -480,10 +499,19 @@ fn weights_nchw<const F: bool>(
     sums.fill(0.0);
     for n in 0..g.batch {
         let dy_c = &dy[(n * g.c_out + oc) * g.oh * g.ow..][..g.oh * g.ow];
-        for (dst, src) in dy_plane.chunks_exact_mut(owp).zip(dy_c.chunks_exact(g.ow)) {
-            dst[..g.ow].copy_from_slice(src);
-            dst[g.ow..].fill(0.0);
+        if db.is_some() {
+            bias += plane_sum(dy_c);
         }
+        // Rows of whole lanes are read where they are.
+        let dy_plane: &[f32] = if owp == g.ow {
+            dy_c
+        } else {
+            for (dst, src) in dy_plane.chunks_exact_mut(owp).zip(dy_c.chunks_exact(g.ow)) {
+                copy_run(&mut dst[..g.ow], src);
+                zero_run(&mut dst[g.ow..]);
+            }
+            dy_plane
+        };
         for ci in 0..cin_g {
             // plane[(pr·s + r)·len + j] = input[pr − pad_top][j·s + r − pad_left], zero
             // outside: each row zero-padded into `padded`, then split into its phases.
@@ -500,9 +528,9 @@ fn weights_nchw<const F: bool>(
                 }
                 let row = &x[((n * g.c_in + c0 + ci) * g.h + iy as usize) * g.w..][..copied];
                 if s == 1 {
-                    dst[..g.pad_left.min(len)].fill(0.0);
-                    dst[g.pad_left.min(len)..][..copied].copy_from_slice(row);
-                    dst[(g.pad_left + copied).min(len)..].fill(0.0);
+                    zero_run(&mut dst[..g.pad_left.min(len)]);
+                    copy_run(&mut dst[g.pad_left.min(len)..][..copied], row);
+                    zero_run(&mut dst[(g.pad_left + copied).min(len)..]);
                     continue;
                 }
                 padded[g.pad_left.min(s * len)..][..copied].copy_from_slice(row);
@@ -531,6 +559,24 @@ fn weights_nchw<const F: bool>(
                     }
                 }
             }
+            if let Some(t) = rows_pass_taps(g) {
+                let pass = RowsPass {
+                    g,
+                    dy_plane,
+                    plane,
+                    owp,
+                    len,
+                };
+                for ky0 in (0..g.kh).step_by(t) {
+                    let acc = &mut sums[(ci * taps + ky0 * g.kw) * LANES..];
+                    match t.min(g.kh - ky0) {
+                        3 => pass.run::<3, 3, F>(ky0, acc),
+                        2 => pass.run::<2, 3, F>(ky0, acc),
+                        _ => pass.run::<1, 3, F>(ky0, acc),
+                    }
+                }
+                continue;
+            }
             for ky in 0..g.kh {
                 for kx0 in (0..g.kw).step_by(4) {
                     let pass = TapPass {
@@ -557,6 +603,129 @@ fn weights_nchw<const F: bool>(
     for (t, d) in dst.iter_mut().enumerate() {
         let v: f32 = sums[t * LANES..][..LANES].iter().sum();
         *d = if accumulate { *d + v } else { v };
+    }
+    if let Some(db) = db {
+        *db = if accumulate {
+            *db + bias as f32
+        } else {
+            bias as f32
+        };
+    }
+}
+
+/// Tap rows a [`RowsPass`] takes at once, if the shape has one: unit strides and dilation
+/// along y, unit stride along x and 3, 5 or 7 tap columns (their sums, `T·kw` vectors, stay
+/// in registers beside the output rows' gradients).
+fn rows_pass_taps(g: &Geometry) -> Option<usize> {
+    let unit = g.sh == 1 && g.dh == 1 && g.sw == 1 && g.dw == 1;
+    (unit && g.kw == 3).then_some(3)
+}
+
+/// Whether the plane path with its [`RowsPass`] beats the blocked mode on an NCHW depthwise
+/// layer (no transposes; the output gradient read in place where its rows are whole lanes,
+/// the bias gradient summed on the way). Measured with `convkit bench --pass
+/// backward-weights` (one thread, AMD EPYC Zen 4, 3x3 stride 1 on images 14 to 112 wide,
+/// three rounds, GFLOP/s planes vs blocked): AVX-512 112 wide 37-45 vs 20-21, 64 34-38 vs
+/// 20-23, 56 22-28 vs 20-23, 32 23-29 vs 19-22, 28 18-21 vs 17-21 (a tie: left blocked), 14 8 vs 12-15; AVX2 (twice
+/// the registers a sum: 18 of 16 spill) 112 27 vs 22, 64 24-25 vs 22, 56 19 vs 22, 32 16 vs
+/// 20. NEON is not measured and keeps the blocked mode.
+fn rows_pass_wins(g: &Geometry, isa: Isa) -> bool {
+    rows_pass_taps(g).is_some()
+        && match isa {
+            Isa::Avx512 => g.ow >= 32,
+            Isa::Avx2 => g.ow >= 64,
+            _ => false,
+        }
+}
+
+/// Output rows a [`RowsPass`] step takes: each input row chunk loaded serves up to
+/// `ROWS_AT_ONCE` of them, each output-gradient chunk every tap row of the pass.
+const ROWS_AT_ONCE: usize = 4;
+
+/// A pass of [`weights_nchw`] at unit strides (and dilation along y): tap rows `ky0..ky0 + T`,
+/// all `KW` tap columns, [`ROWS_AT_ONCE`] output rows a step. A step loads the rows' output
+/// gradient once and each input row chunk once for every (output row, tap row) pair that
+/// reads it: `R + (R + T − 1)·KW` loads for `R·T·KW` multiply-adds, where a tap row at a
+/// time (`TapPass`) loads `R·(1 + KW)` for `R·KW`.
+struct RowsPass<'a> {
+    g: &'a Geometry,
+    dy_plane: &'a [f32],
+    plane: &'a [f32],
+    owp: usize,
+    len: usize,
+}
+
+impl RowsPass<'_> {
+    /// `acc[(ky·kw + kx)·LANES + i] += Σ dy[oy][c·LANES + i] · x[oy + ky0 + ky][c·LANES + i +
+    /// kx]` over every output row and lane chunk, for `ky < T`, `kx < KW`.
+    #[inline(always)]
+    fn run<const T: usize, const KW: usize, const F: bool>(&self, ky0: usize, acc: &mut [f32]) {
+        let (g, owp, len) = (self.g, self.owp, self.len);
+        // What the loops below read: dy rows 0..oh of owp floats, input rows ky0..ky0 + oh +
+        // T − 1 of len floats, each to column owp + KW − 1 at most.
+        assert!(
+            self.dy_plane.len() >= g.oh * owp
+                && self.plane.len() >= (ky0 + g.oh + T - 1) * len
+                && owp.is_multiple_of(LANES)
+                && owp + KW - 1 <= len
+        );
+        let mut lanes = [[[0.0f32; LANES]; KW]; T];
+        let (dy, x) = (self.dy_plane.as_ptr(), self.plane[ky0 * len..].as_ptr());
+        let full = g.oh / ROWS_AT_ONCE * ROWS_AT_ONCE;
+        let mut oy = 0;
+        while oy < g.oh {
+            for c in (0..owp).step_by(LANES) {
+                // SAFETY: rows oy..oy + R (R + T − 1 input rows) are below oh (oh + T − 1),
+                // and c + LANES <= owp, c + KW − 1 + LANES <= len: inside the assert above.
+                unsafe {
+                    let (d, xs) = (dy.add(oy * owp + c), x.add(oy * len + c));
+                    if oy < full {
+                        rows::<ROWS_AT_ONCE, T, KW, F>(d, xs, owp, len, &mut lanes);
+                    } else {
+                        rows::<1, T, KW, F>(d, xs, owp, len, &mut lanes);
+                    }
+                }
+            }
+            oy += if oy < full { ROWS_AT_ONCE } else { 1 };
+        }
+        for (ky, row) in lanes.iter().enumerate() {
+            add_chains(&mut acc[ky * g.kw * LANES..], row);
+        }
+    }
+}
+
+/// One lane chunk of `R` output rows into the tap sums of a [`RowsPass`]: the rows' output
+/// gradients at `dy` (rows `owp` apart), the input rows their `T` tap rows read at `x` (rows
+/// `len` apart).
+///
+/// # Safety
+/// `dy` must be readable for `R` rows of `LANES` floats, `x` for `R + T − 1` rows of
+/// `LANES + KW − 1`.
+#[inline(always)]
+unsafe fn rows<const R: usize, const T: usize, const KW: usize, const F: bool>(
+    dy: *const f32,
+    x: *const f32,
+    owp: usize,
+    len: usize,
+    lanes: &mut [[[f32; LANES]; KW]; T],
+) {
+    // SAFETY: within the rows the caller vouches for.
+    let d: [[f32; LANES]; R] =
+        std::array::from_fn(|r| unsafe { *(dy.add(r * owp) as *const [f32; LANES]) });
+    for ir in 0..R + T - 1 {
+        // An index loop: iterating `lanes` or an array of the KW input vectors instead made
+        // the compiler keep them in memory (2x slower).
+        #[allow(clippy::needless_range_loop)]
+        for kx in 0..KW {
+            // SAFETY: as above.
+            let xv = unsafe { *(x.add(ir * len + kx) as *const [f32; LANES]) };
+            // Output row r meets this input row through tap row ir − r.
+            for (r, dr) in d.iter().enumerate() {
+                if ir >= r && ir - r < T {
+                    madd_lanes::<F>(&mut lanes[ir - r][kx], dr, &xv);
+                }
+            }
+        }
     }
 }
 

@@ -17,7 +17,7 @@
 //!
 //! Groups and images are one more dimension of the parallel loop, not separate convolutions.
 
-use super::{for_each_worker, SendPtr};
+use super::{copy_run, for_each_worker, zero_run, SendPtr};
 use crate::buffer::AlignedBuf;
 use crate::cpu::{self, Isa};
 use crate::gemm::pack::{prepack, prepacked_len, Prepacked};
@@ -356,46 +356,6 @@ struct Job<'a> {
     out: SendPtr,
     bias: Option<&'a [f32]>,
     activation: Activation,
-}
-
-/// Copies `src` into `dst` (same length). Runs are short (one micro-panel row), where a
-/// `memcpy` call costs more than the copy: fixed-size copies become straight vector moves, and
-/// a length between two sizes is two overlapping fixed copies.
-#[inline(always)]
-fn copy_run(dst: &mut [f32], src: &[f32]) {
-    fn fixed<const N: usize>(dst: &mut [f32], src: &[f32]) {
-        let n = dst.len();
-        dst[..N].copy_from_slice(&src[..N]);
-        dst[n - N..].copy_from_slice(&src[n - N..n]);
-    }
-    match dst.len() {
-        0 => {}
-        n @ 1..4 => dst.copy_from_slice(&src[..n]),
-        4..8 => fixed::<4>(dst, src),
-        8..16 => fixed::<8>(dst, src),
-        16..32 => fixed::<16>(dst, src),
-        32..=64 => fixed::<32>(dst, src),
-        _ => dst.copy_from_slice(src),
-    }
-}
-
-/// Zeroes a short run, without a `memset` call (see [`copy_run`]).
-#[inline(always)]
-fn zero_run(dst: &mut [f32]) {
-    fn fixed<const N: usize>(dst: &mut [f32]) {
-        let n = dst.len();
-        dst[..N].copy_from_slice(&[0.0; N]);
-        dst[n - N..].copy_from_slice(&[0.0; N]);
-    }
-    match dst.len() {
-        0 => {}
-        1..4 => dst.iter_mut().for_each(|d| *d = 0.0),
-        4..8 => fixed::<4>(dst),
-        8..16 => fixed::<8>(dst),
-        16..32 => fixed::<16>(dst),
-        32..=64 => fixed::<32>(dst),
-        _ => dst.fill(0.0),
-    }
 }
 
 /// The NCHW im2col matrix of one image and group as the B operand: row k = (ci, ky, kx),

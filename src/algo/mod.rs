@@ -126,6 +126,46 @@ pub(crate) fn zip_chunks<A: Send, B: Sync>(
     }
 }
 
+/// Copies `src` into `dst` (same length). For short runs (a micro-panel row, a small
+/// image's row), where a `memcpy` call costs more than the copy: fixed-size copies become straight vector moves, and
+/// a length between two sizes is two overlapping fixed copies.
+#[inline(always)]
+pub(crate) fn copy_run(dst: &mut [f32], src: &[f32]) {
+    fn fixed<const N: usize>(dst: &mut [f32], src: &[f32]) {
+        let n = dst.len();
+        dst[..N].copy_from_slice(&src[..N]);
+        dst[n - N..].copy_from_slice(&src[n - N..n]);
+    }
+    match dst.len() {
+        0 => {}
+        n @ 1..4 => dst.copy_from_slice(&src[..n]),
+        4..8 => fixed::<4>(dst, src),
+        8..16 => fixed::<8>(dst, src),
+        16..32 => fixed::<16>(dst, src),
+        32..=64 => fixed::<32>(dst, src),
+        _ => dst.copy_from_slice(src),
+    }
+}
+
+/// Zeroes a short run, without a `memset` call (see [`copy_run`]).
+#[inline(always)]
+pub(crate) fn zero_run(dst: &mut [f32]) {
+    fn fixed<const N: usize>(dst: &mut [f32]) {
+        let n = dst.len();
+        dst[..N].copy_from_slice(&[0.0; N]);
+        dst[n - N..].copy_from_slice(&[0.0; N]);
+    }
+    match dst.len() {
+        0 => {}
+        1..4 => dst.iter_mut().for_each(|d| *d = 0.0),
+        4..8 => fixed::<4>(dst),
+        8..16 => fixed::<8>(dst),
+        16..32 => fixed::<16>(dst),
+        32..=64 => fixed::<32>(dst),
+        _ => dst.fill(0.0),
+    }
+}
+
 /// The number of workers `Options::threads == 0` means: the current rayon pool's threads,
 /// or 1 in a build without the `threads` feature (no rayon).
 pub(crate) fn current_num_threads() -> usize {
