@@ -59,6 +59,7 @@ isa_dispatch!(fn weights_blocked_at = weights_blocked(
     x: &[f32],
     dy: &[f32],
     dw: &mut [f32],
+    bias: Option<&mut [f32]>,
     accumulate: bool,
     scratch: &mut [f32],
     item: usize,
@@ -287,9 +288,10 @@ impl DwBackward {
     ) {
         let out = SendPtr(dw.as_mut_ptr());
         // The plane path sums each channel's output gradient as it reads it.
-        let planes = self.layout == Layout::Nchw && !plan.blocked;
+        // The plane and blocked paths sum each channel's output gradient as they read it.
+        let fused = plan.blocked || self.layout == Layout::Nchw;
         let bias = SendPtr(match &mut db {
-            Some(db) if planes => db.as_mut_ptr(),
+            Some(db) if fused => db.as_mut_ptr(),
             _ => std::ptr::null_mut(),
         });
         let scratch = &mut scratch[..plan.workers * plan.weight_scratch];
@@ -301,13 +303,18 @@ impl DwBackward {
         let len = g.c_out * g.k_len();
         let t = self.transpose;
         for_each_worker(plan.workers, items, scratch, |s, item| {
-            // SAFETY: an item writes the weights of its output channels only, within `dw`
-            // (its length was checked). The ISA was checked against the CPU at create.
+            // SAFETY: an item writes the weights (and bias gradients) of its output channels
+            // only, within `dw` (and `db`; their lengths were checked). The ISA was checked
+            // against the CPU at create.
             unsafe {
                 let dw = std::slice::from_raw_parts_mut(out.get(), len);
                 match self.layout {
                     _ if plan.blocked => {
-                        weights_blocked_at(self.isa, t, g, x, dy, dw, accumulate, s, item)
+                        let (c0, db) = (item * BLOCK, bias.get());
+                        let cc = BLOCK.min(g.c_out - c0);
+                        let db =
+                            (!db.is_null()).then(|| std::slice::from_raw_parts_mut(db.add(c0), cc));
+                        weights_blocked_at(self.isa, t, g, x, dy, dw, db, accumulate, s, item)
                     }
                     Layout::Nchw => {
                         let db = bias.get();
@@ -320,7 +327,7 @@ impl DwBackward {
                 }
             }
         });
-        if let Some(db) = db.filter(|_| !planes) {
+        if let Some(db) = db.filter(|_| !fused) {
             grad_bias(g, dy, db, accumulate);
         }
     }
@@ -866,11 +873,15 @@ fn weights_blocked<const F: bool>(
     x: &[f32],
     dy: &[f32],
     dw: &mut [f32],
+    bias: Option<&mut [f32]>,
     accumulate: bool,
     scratch: &mut [f32],
     item: usize,
 ) {
     let band = band_rows(g);
+    // The bias gradients of the block's channels (`bias` starts at the first): f32 lanes a
+    // band, summed in f64.
+    let mut bias_sums = [0.0f64; BLOCK];
     let (hp, wp) = blocked_extent(g, band);
     let taps = g.kh * g.kw;
     let c0 = item * BLOCK;
@@ -888,6 +899,16 @@ fn weights_blocked<const F: bool>(
         let db = &mut db[..rows * g.ow * BLOCK];
         fill_input_block(t, g, x, n, c0, cc, oy0 * g.sh, (hp, wp), xb);
         fill_grad_block(t, g, dy, n, c0, cc, oy0 * g.ow, db);
+        if bias.is_some() {
+            let mut lanes = [0.0f32; BLOCK];
+            for px in db.chunks_exact(BLOCK) {
+                lanes.iter_mut().zip(px).for_each(|(l, &v)| *l += v);
+            }
+            bias_sums
+                .iter_mut()
+                .zip(lanes)
+                .for_each(|(s, l)| *s += l as f64);
+        }
         let (xb, db) = (&*xb, &*db);
         let pass = |t0| BlockPass {
             g,
@@ -941,6 +962,11 @@ fn weights_blocked<const F: bool>(
         for (tap, d) in dst.iter_mut().enumerate() {
             let v = sums[tap * BLOCK + i];
             *d = if accumulate { *d + v } else { v };
+        }
+    }
+    if let Some(bias) = bias {
+        for (d, &v) in bias.iter_mut().zip(&bias_sums[..cc]) {
+            *d = if accumulate { *d + v as f32 } else { v as f32 };
         }
     }
 }
