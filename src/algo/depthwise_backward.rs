@@ -1062,8 +1062,9 @@ impl BlockPass<'_> {
     }
 
     /// [`run`](Self::run) over the `K` taps of one tap row (`t0` its first), for unit stride
-    /// and dilation along x: [`ROW_PIXELS`] output pixels at a time, whose taps read
-    /// `ROW_PIXELS + K - 1` consecutive input pixels, each loaded once for all of them.
+    /// and dilation along x: [`ROW_PIXELS`] output pixels at a time (the last 1 to 3 of a
+    /// row together), whose taps read `P + K - 1` consecutive input pixels, each loaded once
+    /// for all of them.
     #[inline(always)]
     fn run_row<const K: usize, const F: bool>(&self, acc: &mut [f32]) {
         const P: usize = ROW_PIXELS;
@@ -1072,33 +1073,46 @@ impl BlockPass<'_> {
         // Two chains a tap (even and odd pixels): a 3-wide tap row's three chains alone would
         // wait on the multiply-add latency.
         let mut lanes = [[[0.0f32; LANES]; K]; 2];
+        let full = g.ow / P * P;
         for oy in 0..self.rows {
             let drow = &self.db[oy * g.ow * BLOCK..][..g.ow * BLOCK];
             let xrow = &self.xb[(oy * g.sh + ky * g.dh) * wp * BLOCK..][..(g.ow + K - 1) * BLOCK];
-            let full = g.ow / P * P;
             for (ds, xs) in drow[..full * BLOCK]
                 .chunks_exact(P * BLOCK)
                 .zip(xrow.windows((P + K - 1) * BLOCK).step_by(P * BLOCK))
             {
-                for j in 0..P + K - 1 {
-                    let x = &xs[j * BLOCK..][..LANES];
-                    for q in 0..K {
-                        if j >= q && j - q < P {
-                            let l = &mut lanes[(j - q) % 2][q];
-                            madd_lanes::<F>(l, &ds[(j - q) * BLOCK..], x);
-                        }
-                    }
-                }
+                row_pixels::<P, K, F>(ds, xs, &mut lanes);
             }
-            for ox in full..g.ow {
-                let d = &drow[ox * BLOCK..][..LANES];
-                for (q, l) in lanes[0].iter_mut().enumerate() {
-                    madd_lanes::<F>(l, d, &xrow[(ox + q) * BLOCK..]);
-                }
+            let (ds, xs) = (&drow[full * BLOCK..], &xrow[full * BLOCK..]);
+            match g.ow - full {
+                0 => {}
+                1 => row_pixels::<1, K, F>(ds, xs, &mut lanes),
+                2 => row_pixels::<2, K, F>(ds, xs, &mut lanes),
+                _ => row_pixels::<3, K, F>(ds, xs, &mut lanes),
             }
         }
         add_chains(acc, &lanes[0]);
         add_chains(acc, &lanes[1]);
+    }
+}
+
+/// `P` consecutive output pixels (`ds`) of a tap row of `K` taps, whose inputs are the `P + K −
+/// 1` pixels at `xs`, into the even and odd pixels' chains.
+#[inline(always)]
+fn row_pixels<const P: usize, const K: usize, const F: bool>(
+    ds: &[f32],
+    xs: &[f32],
+    lanes: &mut [[[f32; LANES]; K]; 2],
+) {
+    let (ds, xs) = (&ds[..P * BLOCK], &xs[..(P + K - 1) * BLOCK]);
+    for j in 0..P + K - 1 {
+        let x = &xs[j * BLOCK..][..LANES];
+        for q in 0..K {
+            if j >= q && j - q < P {
+                let l = &mut lanes[(j - q) % 2][q];
+                madd_lanes::<F>(l, &ds[(j - q) * BLOCK..], x);
+            }
+        }
     }
 }
 
