@@ -8,8 +8,11 @@
 //! - Backward data, NHWC: per input pixel, a multiply-add over the channels per tap.
 //! - Backward weights, NCHW: per output channel and tap, dot products of output-gradient rows
 //!   with input rows; the input row is copied once, zero-padded and split into stride phases,
-//!   so every tap reads it contiguously. NHWC: per block of channels, the tap sums over the
-//!   pixels with a multiply-add over the channels.
+//!   so every tap reads it contiguously (3x3 at unit strides: four output rows and all nine
+//!   taps a step). NHWC: per block of channels, the tap sums over the pixels with a
+//!   multiply-add over the channels. Depthwise layers with one output a channel (either
+//!   layout; NCHW only where the plane path loses) run blocks of 16 channels a pixel.
+//!   The plane and blocked paths sum the bias gradient from the output gradient they read.
 //!
 //! Every kernel is compiled for the plan's ISA ([`isa_dispatch`]) and left to the compiler to
 //! vectorise: the loops are contiguous multiply-adds.
@@ -104,6 +107,8 @@ pub(crate) struct DwBackwardPlan {
     /// Backward weights in blocks of `BLOCK` channels (depthwise, multiplier 1, scratch within
     /// `BLOCKED_MAX`).
     blocked: bool,
+    /// NCHW backward weights through [`RowsPass`]es (see [`rows_pass`]).
+    rows_pass: bool,
 }
 
 /// Tap column `kx` of an NCHW input row: column `x = phase + s·j` takes output column
@@ -182,7 +187,7 @@ impl DwBackward {
         let blocked = g.cin_g() == 1
             && g.cout_g() == 1
             && blocked_scratch <= BLOCKED_MAX
-            && !(self.layout == Layout::Nchw && rows_pass_wins(g, self.isa));
+            && !(self.layout == Layout::Nchw && planes_win(g, self.isa));
         if blocked {
             (weight_items, weight_scratch) = (g.c_out.div_ceil(BLOCK), blocked_scratch);
         }
@@ -233,6 +238,7 @@ impl DwBackward {
             xtaps,
             wtaps,
             blocked,
+            rows_pass: rows_pass(g, self.isa),
         }
     }
 
@@ -287,7 +293,6 @@ impl DwBackward {
         scratch: &mut [f32],
     ) {
         let out = SendPtr(dw.as_mut_ptr());
-        // The plane path sums each channel's output gradient as it reads it.
         // The plane and blocked paths sum each channel's output gradient as they read it.
         let fused = plan.blocked || self.layout == Layout::Nchw;
         let bias = SendPtr(match &mut db {
@@ -566,7 +571,8 @@ fn weights_nchw<const F: bool>(
                     }
                 }
             }
-            if let Some(t) = rows_pass_taps(g) {
+            if plan.rows_pass {
+                let t = 3;
                 let pass = RowsPass {
                     g,
                     dy_plane,
@@ -620,36 +626,39 @@ fn weights_nchw<const F: bool>(
     }
 }
 
-/// Tap rows a [`RowsPass`] takes at once, if the shape has one: unit strides and dilation
-/// along y, unit stride along x and 3, 5 or 7 tap columns (their sums, `T·kw` vectors, stay
-/// in registers beside the output rows' gradients).
-fn rows_pass_taps(g: &Geometry) -> Option<usize> {
+/// Whether the NCHW plane path runs its tap sums as [`RowsPass`]es (3 tap rows at once; else
+/// [`TapPass`]es): 3x3 kernels, unit strides and dilations, where the nine sums and four
+/// output-gradient vectors stay in registers. Measured with `convkit bench --pass
+/// backward-weights` (one thread, AMD EPYC Zen 4, interleaved A/B of three rounds): at AVX-512
+/// grouped and channel-multiplier 3x3 layers 7 to 56 wide 1.1-1.6x; at AVX2 (twice the
+/// registers a sum: 18 of 16, spilled) 0.8-1.2x on those, so there only images at least 64
+/// wide (below).
+fn rows_pass(g: &Geometry, isa: Isa) -> bool {
     let unit = g.sh == 1 && g.dh == 1 && g.sw == 1 && g.dw == 1;
-    (unit && g.kw == 3).then_some(3)
-}
-
-/// Whether the plane path with its [`RowsPass`] beats the blocked mode on an NCHW depthwise
-/// layer (no transposes; the output gradient read in place where its rows are whole lanes,
-/// the bias gradient summed on the way). Measured with `convkit bench --pass
-/// backward-weights` (one thread, AMD EPYC Zen 4, 3x3 stride 1 on images 14 to 112 wide,
-/// three rounds, GFLOP/s planes vs blocked): AVX-512 112 wide 37-45 vs 20-21, 64 34-38 vs
-/// 20-23, 56 22-28 vs 20-23, 32 23-29 vs 19-22, 28 18-21 vs 17-21 (a tie: left blocked), 14 8 vs 12-15; AVX2 (twice
-/// the registers a sum: 18 of 16 spill) 112 27 vs 22, 64 24-25 vs 22, 56 19 vs 22, 32 16 vs
-/// 20. NEON is not measured and keeps the blocked mode.
-fn rows_pass_wins(g: &Geometry, isa: Isa) -> bool {
-    rows_pass_taps(g).is_some()
+    unit && g.kw == 3
         && match isa {
-            Isa::Avx512 => g.ow >= 32,
+            Isa::Avx512 => true,
             Isa::Avx2 => g.ow >= 64,
             _ => false,
         }
+}
+
+/// Whether the plane path beats the blocked mode on an NCHW depthwise layer with one output
+/// a channel (no transposes; the output gradient read in place where its rows are whole
+/// lanes). Measured with `convkit bench --pass backward-weights` (one thread, AMD EPYC Zen 4,
+/// 3x3 stride 1 on images 14 to 112 wide, three rounds, GFLOP/s planes vs blocked): AVX-512
+/// 112 wide 37-45 vs 20-21, 64 34-38 vs 20-23, 56 22-28 vs 20-23, 32 23-29 vs 19-22, 28
+/// 18-21 vs 17-21 (a tie: left blocked), 14 8 vs 12-15; AVX2 112 27 vs 22, 64 24-25 vs 22,
+/// 56 19 vs 22, 32 16 vs 20. NEON is not measured and keeps the blocked mode.
+fn planes_win(g: &Geometry, isa: Isa) -> bool {
+    rows_pass(g, isa) && g.ow >= 32
 }
 
 /// Output rows a [`RowsPass`] step takes: each input row chunk loaded serves up to
 /// `ROWS_AT_ONCE` of them, each output-gradient chunk every tap row of the pass.
 const ROWS_AT_ONCE: usize = 4;
 
-/// A pass of [`weights_nchw`] at unit strides (and dilation along y): tap rows `ky0..ky0 + T`,
+/// A pass of [`weights_nchw`] at unit strides and dilations: tap rows `ky0..ky0 + T`,
 /// all `KW` tap columns, [`ROWS_AT_ONCE`] output rows a step. A step loads the rows' output
 /// gradient once and each input row chunk once for every (output row, tap row) pair that
 /// reads it: `R + (R + T − 1)·KW` loads for `R·T·KW` multiply-adds, where a tap row at a
