@@ -300,38 +300,47 @@ impl DwBackward {
             _ => std::ptr::null_mut(),
         });
         let scratch = &mut scratch[..plan.workers * plan.weight_scratch];
-        let items = match self.layout {
-            _ if plan.blocked => g.c_out.div_ceil(BLOCK),
-            Layout::Nchw => g.c_out,
-            Layout::Nhwc => g.c_out.div_ceil(NHWC_CHANNELS),
+        // Output channels an item takes.
+        let per_item = match self.layout {
+            _ if plan.blocked => BLOCK,
+            Layout::Nchw => 1,
+            Layout::Nhwc => NHWC_CHANNELS,
         };
-        let len = g.c_out * g.k_len();
-        let t = self.transpose;
-        for_each_worker(plan.workers, items, scratch, |s, item| {
-            // SAFETY: an item writes the weights (and bias gradients) of its output channels
-            // only, within `dw` (and `db`; their lengths were checked). The ISA was checked
-            // against the CPU at create.
-            unsafe {
-                let dw = std::slice::from_raw_parts_mut(out.get(), len);
-                match self.layout {
-                    _ if plan.blocked => {
-                        let (c0, db) = (item * BLOCK, bias.get());
-                        let cc = BLOCK.min(g.c_out - c0);
-                        let db =
-                            (!db.is_null()).then(|| std::slice::from_raw_parts_mut(db.add(c0), cc));
-                        weights_blocked_at(self.isa, t, g, x, dy, dw, db, accumulate, s, item)
-                    }
-                    Layout::Nchw => {
-                        let db = bias.get();
-                        let db = (!db.is_null()).then(|| &mut *db.add(item));
-                        weights_nchw_at(self.isa, plan, g, x, dy, dw, db, accumulate, s, item)
-                    }
-                    Layout::Nhwc => {
-                        weights_nhwc_at(self.isa, plan, g, x, dy, dw, accumulate, s, item)
+        let (k_len, t) = (g.k_len(), self.transpose);
+        assert!(dw.len() >= g.c_out * k_len && db.as_ref().is_none_or(|db| db.len() >= g.c_out));
+        for_each_worker(
+            plan.workers,
+            g.c_out.div_ceil(per_item),
+            scratch,
+            |s, item| {
+                let (first, count) = (item * per_item, per_item.min(g.c_out - item * per_item));
+                // SAFETY: items take disjoint ranges of output channels, so their weights (and
+                // bias gradients) are disjoint slices of `dw` (and `db`), inside them (assert above).
+                let (dw, db) = unsafe {
+                    let dw =
+                        std::slice::from_raw_parts_mut(out.get().add(first * k_len), count * k_len);
+                    let db = bias.get();
+                    let db = (!db.is_null())
+                        .then(|| std::slice::from_raw_parts_mut(db.add(first), count));
+                    (dw, db)
+                };
+                // SAFETY: the ISA was checked against the CPU at create.
+                unsafe {
+                    match self.layout {
+                        _ if plan.blocked => {
+                            weights_blocked_at(self.isa, t, g, x, dy, dw, db, accumulate, s, item)
+                        }
+                        Layout::Nchw => {
+                            let db = db.map(|db| &mut db[0]);
+                            weights_nchw_at(self.isa, plan, g, x, dy, dw, db, accumulate, s, item)
+                        }
+                        Layout::Nhwc => {
+                            weights_nhwc_at(self.isa, plan, g, x, dy, dw, accumulate, s, item)
+                        }
                     }
                 }
-            }
-        });
+            },
+        );
         if let Some(db) = db.filter(|_| !fused) {
             grad_bias(g, dy, db, accumulate);
         }
@@ -486,7 +495,8 @@ fn data_nhwc<const F: bool>(
 /// stride phases (every row a tap row reads, each split into the `s` phases of its columns).
 /// Then per tap row and block of up to four tap columns, one pass over the output rows
 /// multiplies each lane-chunk of output gradient by the chunk each tap reads, into partial
-/// sums that stay in registers for the whole pass.
+/// sums that stay in registers for the whole pass (3x3 at unit strides: [`RowsPass`]es).
+/// `dw` and `db` are the channel's own weight and bias gradients.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 fn weights_nchw<const F: bool>(
@@ -612,7 +622,7 @@ fn weights_nchw<const F: bool>(
             }
         }
     }
-    let dst = &mut dw[oc * cin_g * taps..][..cin_g * taps];
+    let dst = &mut dw[..cin_g * taps];
     for (t, d) in dst.iter_mut().enumerate() {
         let v: f32 = sums[t * LANES..][..LANES].iter().sum();
         *d = if accumulate { *d + v } else { v };
@@ -787,6 +797,7 @@ impl TapPass<'_> {
 
 /// A block of output channels' weight gradients (NHWC): tap sums over every pixel, a
 /// multiply-add over the block's channels, kept tap-major in `sums` and stored at the end.
+/// `dw` holds the block's weight gradients.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 fn weights_nhwc<const F: bool>(
@@ -826,7 +837,7 @@ fn weights_nhwc<const F: bool>(
         }
     }
     for i in 0..cc {
-        let dst = &mut dw[(oc0 + i) * taps..][..taps];
+        let dst = &mut dw[i * taps..][..taps];
         for (t, d) in dst.iter_mut().enumerate() {
             let v = sums[t * NHWC_CHANNELS + i];
             *d = if accumulate { *d + v } else { v };
@@ -873,7 +884,8 @@ fn blocked_floats(g: &Geometry) -> usize {
 /// gradient into one of 16-channel pixels (NCHW through 8x8 transposes), then per tap row
 /// and block of up to four tap columns one pass over the output pixels multiplies each
 /// output-gradient pixel by the input pixel each tap reads, the sums in registers for the
-/// whole pass. No lane is spent on padding however small the image.
+/// whole pass. No lane is spent on padding however small the image. `dw` and `bias` hold the
+/// block's weight and bias gradients.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 fn weights_blocked<const F: bool>(
@@ -967,7 +979,7 @@ fn weights_blocked<const F: bool>(
         }
     }
     for i in 0..cc {
-        let dst = &mut dw[(c0 + i) * taps..][..taps];
+        let dst = &mut dw[i * taps..][..taps];
         for (tap, d) in dst.iter_mut().enumerate() {
             let v = sums[tap * BLOCK + i];
             *d = if accumulate { *d + v } else { v };
