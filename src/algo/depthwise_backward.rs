@@ -315,7 +315,8 @@ impl DwBackward {
             |s, item| {
                 let (first, count) = (item * per_item, per_item.min(g.c_out - item * per_item));
                 // SAFETY: items take disjoint ranges of output channels, so their weights (and
-                // bias gradients) are disjoint slices of `dw` (and `db`), inside them (assert above).
+                // bias gradients) are disjoint slices of `dw` (and `db`), inside them (assert
+                // above).
                 let (dw, db) = unsafe {
                     let dw =
                         std::slice::from_raw_parts_mut(out.get().add(first * k_len), count * k_len);
@@ -582,7 +583,7 @@ fn weights_nchw<const F: bool>(
                 }
             }
             if plan.rows_pass {
-                let t = 3;
+                // Three tap rows a pass (all of a 3x3 kernel), the last pass what is left.
                 let pass = RowsPass {
                     g,
                     dy_plane,
@@ -590,9 +591,9 @@ fn weights_nchw<const F: bool>(
                     owp,
                     len,
                 };
-                for ky0 in (0..g.kh).step_by(t) {
+                for ky0 in (0..g.kh).step_by(3) {
                     let acc = &mut sums[(ci * taps + ky0 * g.kw) * LANES..];
-                    match t.min(g.kh - ky0) {
+                    match (g.kh - ky0).min(3) {
                         3 => pass.run::<3, 3, F>(ky0, acc),
                         2 => pass.run::<2, 3, F>(ky0, acc),
                         _ => pass.run::<1, 3, F>(ky0, acc),
@@ -639,10 +640,10 @@ fn weights_nchw<const F: bool>(
 /// Whether the NCHW plane path runs its tap sums as [`RowsPass`]es (3 tap rows at once; else
 /// [`TapPass`]es): 3x3 kernels, unit strides and dilations, where the nine sums and four
 /// output-gradient vectors stay in registers. Measured with `convkit bench --pass
-/// backward-weights` (one thread, AMD EPYC Zen 4, interleaved A/B of three rounds): at AVX-512
-/// grouped and channel-multiplier 3x3 layers 7 to 56 wide 1.1-1.6x; at AVX2 (twice the
-/// registers a sum: 18 of 16, spilled) 0.8-1.2x on those, so there only images at least 64
-/// wide (below).
+/// backward-weights` (one thread, AMD EPYC Zen 4, interleaved A/B of three rounds, medians
+/// and minima): at AVX-512 grouped and channel-multiplier 3x3 layers 7 to 56 wide 1.13-1.58x
+/// (minima 0.98-1.54x); at AVX2 (twice the registers a sum: 18 of 16, spilled) 0.93-1.20x
+/// (minima 0.80-0.95x), so there only images at least 64 wide (below).
 fn rows_pass(g: &Geometry, isa: Isa) -> bool {
     let unit = g.sh == 1 && g.dh == 1 && g.sw == 1 && g.dw == 1;
     unit && g.kw == 3
@@ -656,10 +657,11 @@ fn rows_pass(g: &Geometry, isa: Isa) -> bool {
 /// Whether the plane path beats the blocked mode on an NCHW depthwise layer with one output
 /// a channel (no transposes; the output gradient read in place where its rows are whole
 /// lanes). Measured with `convkit bench --pass backward-weights` (one thread, AMD EPYC Zen 4,
-/// 3x3 stride 1 on images 14 to 112 wide, three rounds, GFLOP/s planes vs blocked): AVX-512
-/// 112 wide 37-45 vs 20-21, 64 34-38 vs 20-23, 56 22-28 vs 20-23, 32 23-29 vs 19-22, 28
-/// 18-21 vs 17-21 (a tie: left blocked), 14 8 vs 12-15; AVX2 112 27 vs 22, 64 24-25 vs 22,
-/// 56 19 vs 22, 32 16 vs 20. NEON is not measured and keeps the blocked mode.
+/// 3x3 stride 1 on images 14 to 112 wide, two to three runs of three rounds, GFLOP/s planes
+/// vs blocked): AVX-512 112 wide 33-45 vs 20-24, 64 34-39 vs 20-23, 56 20-28 vs 20-24, 32
+/// 23-29 vs 19-22, 28 16-21 vs 17-21 (a tie: left blocked), 14 7-8 vs 12-16; AVX2 112 26-32
+/// vs 22-25, 64 22-29 vs 21-26, 56 18-20 vs 20-23, 32 16-21 vs 19-24. NEON is not measured
+/// and keeps the blocked mode.
 fn planes_win(g: &Geometry, isa: Isa) -> bool {
     rows_pass(g, isa) && g.ow >= 32
 }

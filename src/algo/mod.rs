@@ -126,9 +126,9 @@ pub(crate) fn zip_chunks<A: Send, B: Sync>(
     }
 }
 
-/// Copies `src` into `dst` (same length). For short runs (a micro-panel row, a small
-/// image's row), where a `memcpy` call costs more than the copy: fixed-size copies become straight vector moves, and
-/// a length between two sizes is two overlapping fixed copies.
+/// Copies `src` into `dst` (same length). For short runs (a micro-panel row, a small image's
+/// row), where a `memcpy` call costs more than the copy: fixed-size copies become straight
+/// vector moves, and a length between two sizes is two overlapping fixed copies.
 #[inline(always)]
 pub(crate) fn copy_run(dst: &mut [f32], src: &[f32]) {
     fn fixed<const N: usize>(dst: &mut [f32], src: &[f32]) {
