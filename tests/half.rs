@@ -214,6 +214,40 @@ proptest! {
     }
 }
 
+/// Small depthwise planes at stride 1 with "same" padding: the flat kernels (x86), on 16-bit
+/// tensors converted a call's planes at a time; a channel multiplier, dilation, residuals and
+/// an activation that runs as a pass.
+#[test]
+fn small_depthwise_planes_run_flat() {
+    use convkit::{Activation, ConvParams, Padding};
+    let shapes = [
+        (24, 1, 3, 1, 7, 7),
+        (8, 2, 3, 2, 9, 6),
+        (5, 1, 5, 1, 4, 8),
+        (3, 3, 4, 1, 3, 5),
+    ];
+    for (i, (cin, mult, k, dil, h, w)) in shapes.into_iter().enumerate() {
+        let params = ConvParams::conv2d(cin, cin * mult, [k, k])
+            .with_groups(cin)
+            .with_dilation([dil, dil])
+            .with_padding(Padding::Same)
+            .with_activation(Activation::Silu);
+        let case = Case {
+            params,
+            batch: 2,
+            h,
+            w,
+            bias: i != 2,
+            residual: i != 1,
+            seed: 0xF1A7 + i as u64,
+        };
+        check::<f16, f16>(&case).unwrap();
+        check::<bf16, f32>(&case).unwrap();
+        check_against_f32::<f16, f16>(&case).unwrap();
+        check_against_f32::<bf16, bf16>(&case).unwrap();
+    }
+}
+
 /// Images large enough that the conversions run in several bands of rows (a band holds at
 /// most 2^18 floats of input, output and residual): top, middle and bottom bands, strides,
 /// dilations and padding that only some bands see, both layouts.

@@ -86,10 +86,25 @@ fn shape(k: &KernelInfo, rng: &mut Rng) -> (ConvParams, usize, usize, usize) {
         }
     };
     let reach = (kernel[0].max(kernel[1]) - 1) * dilation[0].max(dilation[1]);
+    let mut pad = padding(rng, reach);
+    let stride = if k.flat {
+        // Flat kernels take stride 1 with an output as wide as the input: "same", or left
+        // and right padding that add up to the kernel's reach (rows padded at random).
+        let across = (kernel[1] - 1) * dilation[1];
+        if let Padding::Explicit { left, right, .. } = &mut pad {
+            *left = int(rng, 0, across + 1);
+            *right = across - *left;
+        } else {
+            pad = [Padding::Same, Padding::SameLower][int(rng, 0, 2)];
+        }
+        [1, 1]
+    } else {
+        stride
+    };
     let params = params
         .with_stride(stride)
         .with_dilation(dilation)
-        .with_padding(padding(rng, reach))
+        .with_padding(pad)
         .with_layout(layout)
         .with_activation(ACTIVATIONS[int(rng, 0, ACTIVATIONS.len())]);
     (params, int(rng, 1, 3), h, w)

@@ -84,14 +84,27 @@ fn run_does_not_allocate() {
                 .with_activation(Activation::Relu),
             "im2col_gemm/",
         ),
-        // Depthwise 4x4 (the generic kernel): the blocked mode, whose transposes use the
-        // workspace.
+        // Depthwise 4x4 (the generic kernel) without padding: the blocked mode, whose
+        // transposes use the workspace.
         (
             ConvParams::conv2d(24, 24, [4, 4])
                 .with_groups(24)
-                .with_padding(Padding::Same)
+                .with_padding(Padding::Valid)
                 .with_activation(Activation::Gelu),
             "depthwise/transpose16+dw_f32_generic_nhwc",
+        ),
+        // Dilated depthwise 3x3, "same": the flat kernel (x86), with the plan's mask table.
+        (
+            ConvParams::conv2d(24, 48, [3, 3])
+                .with_groups(24)
+                .with_dilation([2, 2])
+                .with_padding(Padding::Same)
+                .with_activation(Activation::Gelu),
+            if cfg!(target_arch = "x86_64") {
+                "depthwise/dw_f32_flat_nchw"
+            } else {
+                "depthwise/dw_f32_generic_nchw"
+            },
         ),
         (
             ConvParams::conv2d(24, 24, [5, 5])

@@ -126,6 +126,7 @@ pub fn emit_all(specs: &[DwSpec], direct: &[DirectSpec]) -> TokenStream {
             let kernels = mine.iter().map(|s| match s.layout {
                 DwLayout::Nchw => emit_nchw(&v, s),
                 DwLayout::Nhwc => emit_nhwc(&v, s),
+                DwLayout::Flat => emit_flat(&v, s),
             });
             let directs: Vec<TokenStream> = direct
                 .iter()
@@ -184,9 +185,10 @@ pub fn emit_all(specs: &[DwSpec], direct: &[DirectSpec]) -> TokenStream {
 fn registry_entry(s: &DwSpec) -> TokenStream {
     {
         let layout = match s.layout {
-            DwLayout::Nchw => quote!(crate::Layout::Nchw),
+            DwLayout::Nchw | DwLayout::Flat => quote!(crate::Layout::Nchw),
             DwLayout::Nhwc => quote!(crate::Layout::Nhwc),
         };
+        let flat = s.layout == DwLayout::Flat;
         let fixed = match s.shape {
             Some((k, st)) => {
                 let (k, st) = (lit(k), lit(st));
@@ -199,6 +201,7 @@ fn registry_entry(s: &DwSpec) -> TokenStream {
         let block = lit(match s.layout {
             DwLayout::Nchw => rows(s),
             DwLayout::Nhwc => pixels(s.isa),
+            DwLayout::Flat => FLAT_VECTORS,
         });
         let ymm = s.ymm;
         let dt = s.dtype.variant();
@@ -207,7 +210,7 @@ fn registry_entry(s: &DwSpec) -> TokenStream {
             &s.name(),
             s.isa,
             quote!(#module::#path),
-            quote!(layout: #layout, fixed: #fixed, lanes: #module::LANES as usize, block: #block, ymm: #ymm, storage: crate::StorageType::#dt,),
+            quote!(layout: #layout, flat: #flat, fixed: #fixed, lanes: #module::LANES as usize, block: #block, ymm: #ymm, storage: crate::StorageType::#dt,),
         )
     }
 }
@@ -380,6 +383,14 @@ fn doc(spec: &DwSpec) -> String {
             "NHWC: one image (`channels` per pixel; `weights` tap-major with `wstride` floats a \
              tap, `bias` padded to `wstride`), output rows `oy0..oy1`"
         }
+        DwLayout::Flat => {
+            "NCHW, stride 1 and `ow == in_w`: `planes` whole output planes of `oy1 * ow` floats \
+             from `output` (and `residual`), plane `i` reading the input plane at `input + i * \
+             in_step`, its taps at `weights + i * kh * kw`, its bias at `bias + i`; tap `t` of \
+             output `o` is input `o + offsets[t]`, read where the lane masks \
+             `masks[v * kh * kw + t * 4 + j]` of vector `v + j` (`v` a multiple of 4, below \
+             `vectors`) allow"
+        }
     };
     format!(
         " Depthwise {}, {what}, {} ({how}).\n\n # Safety\n The CPU must have the ISA, and \
@@ -392,6 +403,121 @@ fn doc(spec: &DwSpec) -> String {
             " (`input`, `output` and `residual` point at 16-bit elements, cast)"
         }
     )
+}
+
+/// Output vectors of a plane a flat kernel keeps in flight, for each of its two planes: the
+/// mask tables are padded to whole blocks of them.
+pub const FLAT_VECTORS: usize = 4;
+
+/// The flat-plane kernel: a small NCHW plane is one flat vector of outputs, so at stride 1 and
+/// an output as wide as the input every tap is one offset (`(ky*dh - pad_top) * w + kx*dw -
+/// pad_left`) and every lane does work, where the plane kernels would run 7-lane rows or
+/// transpose the planes. Lanes whose tap falls in the padding are masked off by a table the
+/// plan computes once. Two planes a step (8 chains of multiply-adds) share each mask.
+fn emit_flat(v: &Simd, spec: &DwSpec) -> TokenStream {
+    assert!(v.dt == Dt::F32, "flat kernels are f32");
+    let name = format_ident!("{}", spec.name());
+    let doc = doc(spec);
+    let attrs = v.attrs();
+    let (zero, splat, fma) = (&v.zero, &v.splat, v.fma);
+    let ll = lit(v.lanes);
+    let mask_of = match (v.isa, v.lanes) {
+        (Isa::Avx512, 8) => quote!(bits as __mmask8),
+        (Isa::Avx512, _) => quote!(bits as __mmask16),
+        (Isa::Avx2, _) => quote! {
+            let bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+            _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(bits as i32), bit), bit)
+        },
+        (isa, _) => panic!("no flat kernel at {isa:?}"),
+    };
+    let acc = |p: usize, q: usize| format_ident!("c{}_{}", p, q);
+    let decls = (0..2)
+        .flat_map(|p| (0..FLAT_VECTORS).map(move |q| (p, q)))
+        .map(|(p, q)| {
+            let c = acc(p, q);
+            quote!(let mut #c = #zero;)
+        });
+    let steps = (0..FLAT_VECTORS).map(|q| {
+        let (c0, c1, ql) = (acc(0, q), acc(1, q), lit(q));
+        let off = lit(q * v.lanes);
+        let f0 = fma(
+            quote!(#c0),
+            quote!(load_masked(x0.wrapping_offset(off + #off), m)),
+            quote!(w0),
+        );
+        let f1 = fma(
+            quote!(#c1),
+            quote!(load_masked(x1.wrapping_offset(off + #off), m)),
+            quote!(w1),
+        );
+        quote! {
+            let m = mask_of(*mk.add(#ql));
+            #c0 = #f0;
+            #c1 = #f1;
+        }
+    });
+    let stores = (0..2)
+        .flat_map(|p| (0..FLAT_VECTORS).map(move |q| (p, q)))
+        .map(|(p, q)| {
+            let (c, plane) = (acc(p, q), if p == 0 { quote!(i) } else { quote!(j) });
+            let dest = |part| Dest {
+                offset: quote!(#plane * outputs + done),
+                part,
+            };
+            let full = epilogue(v, &c, quote!(#splat(*a.bias.add(#plane))), &dest(None));
+            let part = epilogue(
+                v,
+                &c,
+                quote!(#splat(*a.bias.add(#plane))),
+                &dest(Some(quote!(n))),
+            );
+            let (ql, second) = (lit(q * v.lanes), p == 1);
+            let skip = if second { quote!(j == i ||) } else { quote!() };
+            quote! {
+                let done = v * #ll + #ql;
+                if !(#skip done >= outputs) {
+                    let n = outputs - done;
+                    if n >= #ll { #full } else { #part }
+                }
+            }
+        });
+    let vl = lit(FLAT_VECTORS);
+    quote! {
+        /// The lane mask whose bits are `bits`.
+        #[inline]
+        #attrs
+        unsafe fn mask_of(bits: u16) -> Mask {
+            #mask_of
+        }
+
+        #[doc = #doc]
+        #attrs
+        pub unsafe fn #name(a: &DwArgs) {
+            let (lo, hi) = (#splat(a.min), #splat(a.max));
+            let (taps, outputs) = (a.kh * a.kw, a.oy1 * a.ow);
+            let mut i = 0;
+            while i < a.planes {
+                // Planes go in pairs; a last one alone is its own pair, stored once.
+                let j = if i + 1 < a.planes { i + 1 } else { i };
+                let (x0, x1) = (a.input.add(i * a.in_step), a.input.add(j * a.in_step));
+                let (wp0, wp1) = (a.weights.add(i * taps), a.weights.add(j * taps));
+                let mut v = 0;
+                while v < a.vectors {
+                    #(#decls)*
+                    let mut mk = a.masks.add(v * taps);
+                    for t in 0..taps {
+                        let off = (v * #ll) as isize + *a.offsets.add(t);
+                        let (w0, w1) = (#splat(*wp0.add(t)), #splat(*wp1.add(t)));
+                        #(#steps)*
+                        mk = mk.add(#vl);
+                    }
+                    #(#stores)*
+                    v += #vl;
+                }
+                i += 2;
+            }
+        }
+    }
 }
 
 /// A fixed-shape NCHW kernel, or the generic one.

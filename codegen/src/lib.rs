@@ -113,6 +113,9 @@ pub const GEMM_F32: &[GemmSpec] = &[
 pub enum DwLayout {
     Nchw,
     Nhwc,
+    /// NCHW planes as flat vectors of `oh * ow` outputs (stride 1, output as wide as the
+    /// input): every tap a fixed offset, the padding a lane mask from the plan's table.
+    Flat,
 }
 
 impl DwLayout {
@@ -120,6 +123,7 @@ impl DwLayout {
         match self {
             DwLayout::Nchw => "nchw",
             DwLayout::Nhwc => "nhwc",
+            DwLayout::Flat => "flat_nchw",
         }
     }
 }
@@ -171,13 +175,16 @@ pub struct DwSpec {
 
 impl DwSpec {
     pub fn name(&self) -> String {
-        let shape = match self.shape {
-            Some((k, s)) => format!("k{k}s{s}"),
-            None => "generic".into(),
+        let shape = match (self.shape, self.layout) {
+            (Some((k, s)), _) => format!("k{k}s{s}"),
+            // Any kernel and dilation, so the name needs no "generic".
+            (None, DwLayout::Flat) => String::new(),
+            (None, _) => "generic".into(),
         };
         let ymm = if self.ymm { "_ymm" } else { "" };
+        let sep = if shape.is_empty() { "" } else { "_" };
         format!(
-            "dw_{}_{shape}_{}{ymm}_{}",
+            "dw_{}_{shape}{sep}{}{ymm}_{}",
             self.dtype.suffix(),
             self.layout.suffix(),
             self.isa.suffix()
@@ -190,7 +197,9 @@ impl DwSpec {
 pub const DW_SHAPES: &[(usize, usize)] = &[(3, 1), (3, 2), (5, 1), (5, 2), (7, 1), (7, 2)];
 
 /// The f32 depthwise kernels: every shape of [`DW_SHAPES`] and the generic kernel, in both
-/// layouts, for every ISA; for AVX-512 NCHW, 8-lane variants too.
+/// layouts, for every ISA; for AVX-512 NCHW, 8-lane variants too; and at AVX2 and AVX-512 the
+/// flat-plane kernel (any kernel and dilation at stride 1), for small planes whose rows are
+/// too short for the plane kernels' vectors.
 pub fn dw_f32() -> Vec<DwSpec> {
     let shapes: Vec<Option<(usize, usize)>> =
         DW_SHAPES.iter().map(|&s| Some(s)).chain([None]).collect();
@@ -213,6 +222,21 @@ pub fn dw_f32() -> Vec<DwSpec> {
                 }
             }
         }
+        // AVX-512: 8-lane too (fewer loads split across cache lines).
+        let ymms: &[bool] = match isa {
+            Isa::Avx512 => &[false, true],
+            Isa::Avx2 => &[false],
+            _ => &[],
+        };
+        for &ymm in ymms {
+            specs.push(DwSpec {
+                isa,
+                layout: DwLayout::Flat,
+                shape: None,
+                ymm,
+                dtype: Dt::F32,
+            });
+        }
     }
     specs
 }
@@ -232,6 +256,7 @@ pub fn dw_half() -> Vec<DwSpec> {
                     (Isa::Scalar, _) => &[],
                     (_, DwLayout::Nchw) => &[(3, 1), (3, 2)],
                     (_, DwLayout::Nhwc) => DW_SHAPES,
+                    (_, DwLayout::Flat) => unreachable!("no 16-bit flat kernels"),
                 };
                 for shape in fixed.iter().map(|&s| Some(s)).chain([None]) {
                     specs.push(DwSpec {

@@ -12,10 +12,12 @@ use crate::cpu::TransposeRows8x8;
 use crate::cpu::{self, Isa};
 use crate::params::Geometry;
 use crate::storage::{narrow, widen, Storage, StorageType};
-use crate::{Activation, ConvParams, Error, Layout, Result};
+use crate::{Activation, ConvParams, Error, Layout, Padding, Result};
 
 /// What one depthwise kernel call computes: output rows `oy0..oy1` of one channel plane
 /// (NCHW) or of one image (NHWC). Which fields a kernel reads is in its documentation.
+// The flat kernels' fields are read only where x86 kernels are built.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub struct DwArgs {
     pub input: *const f32,
     pub output: *mut f32,
@@ -44,6 +46,15 @@ pub struct DwArgs {
     /// Clamp bounds of the activation (infinite when it has none).
     pub min: f32,
     pub max: f32,
+    /// Flat kernels: output planes a call runs, floats between the input planes of two
+    /// consecutive ones (0 where they read the same plane: a channel multiplier), the input
+    /// offset of each tap, the lane masks of each (vector, tap) and the vectors a plane takes
+    /// (a multiple of the kernel's `block`). Read by no other kernel.
+    pub planes: usize,
+    pub in_step: usize,
+    pub offsets: *const isize,
+    pub masks: *const u16,
+    pub vectors: usize,
 }
 
 /// A generated depthwise kernel, as the generator's registry lists it.
@@ -54,6 +65,9 @@ pub struct DwKernel {
     /// The CPU has `isa`, and the pointers of the arguments cover the sizes they give.
     pub func: unsafe fn(&DwArgs),
     pub layout: Layout,
+    /// A flat-plane kernel (NCHW, stride 1, output as wide as the input; any kernel and
+    /// dilation): whole planes as flat vectors, with the plan's lane masks.
+    pub flat: bool,
     /// `Some((kernel, stride))`: square kernel and stride, dilation 1. `None`: any shape.
     pub fixed: Option<(usize, usize)>,
     /// Floats per vector.
@@ -82,6 +96,66 @@ enum Mode {
     /// 16-channel pixels, run, and transposed back. For small images, whose rows are too short
     /// for the plane kernels' vectors.
     Blocked,
+    /// NCHW, whole planes as flat vectors (stride 1, output as wide as the input), lane
+    /// masks from the plan's [`FlatTable`]: small planes, without transposes or short rows.
+    Flat,
+}
+
+/// What a flat kernel reads besides the tensors: the input offset of each tap and the lane
+/// masks of each (vector, tap), vectors in blocks of the kernel's `block` (the last block
+/// padded with empty masks).
+struct FlatTable {
+    offsets: Vec<isize>,
+    masks: Vec<u16>,
+    vectors: usize,
+}
+
+impl FlatTable {
+    fn new(g: &Geometry, lanes: usize, block: usize) -> Self {
+        let (n, w) = (g.oh * g.ow, g.w as isize);
+        debug_assert!(g.sh == 1 && g.sw == 1 && g.ow == g.w);
+        let taps: Vec<(isize, isize)> = (0..g.kh)
+            .flat_map(|ky| (0..g.kw).map(move |kx| (ky, kx)))
+            .map(|(ky, kx)| {
+                (
+                    (ky * g.dh) as isize - g.pad_top as isize,
+                    (kx * g.dw) as isize - g.pad_left as isize,
+                )
+            })
+            .collect();
+        let vectors = n.div_ceil(lanes).next_multiple_of(block);
+        let mut masks = vec![0u16; vectors * taps.len()];
+        for (v, t) in (0..vectors).flat_map(|v| (0..taps.len()).map(move |t| (v, t))) {
+            let (dy, dx) = taps[t];
+            let mut bits = 0u16;
+            for lane in 0..lanes {
+                let o = v * lanes + lane;
+                let (iy, ix) = ((o / g.ow) as isize + dy, (o % g.ow) as isize + dx);
+                if o < n && (0..g.h as isize).contains(&iy) && (0..w).contains(&ix) {
+                    bits |= 1 << lane;
+                }
+            }
+            masks[(v / block * taps.len() + t) * block + v % block] = bits;
+        }
+        FlatTable {
+            offsets: taps.iter().map(|&(dy, dx)| dy * w + dx).collect(),
+            masks,
+            vectors,
+        }
+    }
+}
+
+/// Whether `p` has a shape the flat kernels take: stride 1 and an output as wide as the input
+/// (`Same`, or explicit left and right padding that add up to the kernel's reach).
+fn flat_fits(p: &ConvParams) -> bool {
+    let reach = (p.kernel[1] - 1) * p.dilation[1];
+    p.layout == Layout::Nchw
+        && p.stride == [1, 1]
+        && match p.padding {
+            Padding::Same | Padding::SameLower => true,
+            Padding::Valid => reach == 0,
+            Padding::Explicit { left, right, .. } => left + right == reach,
+        }
 }
 
 /// The weights packed channel-major for the channel kernels: tap-major, `wstride` floats a
@@ -101,6 +175,10 @@ pub(crate) struct Depthwise {
     narrow: Option<&'static DwKernel>,
     /// NHWC, or NCHW with channel multiplier 1 (the blocked mode).
     channels: Option<ChannelWeights>,
+    /// NCHW shapes the flat kernels take: this ISA's flat kernel (weights as the planes'),
+    /// and at AVX-512 its 8-lane twin for planes of at most 32 outputs.
+    flat: Option<&'static DwKernel>,
+    flat_narrow: Option<&'static DwKernel>,
     multiplier: usize,
     /// The blocked mode's transpose.
     transpose: TransposeRows8x8,
@@ -146,6 +224,9 @@ pub(crate) struct DwPlan {
     half_extra: usize,
     tile_rows: usize,
     tile_in: usize,
+    /// Flat: output planes an item runs, and the kernel's offsets and masks.
+    per_call: usize,
+    flat: Option<FlatTable>,
 }
 
 impl DwPlan {
@@ -199,9 +280,9 @@ impl Depthwise {
             (p.kernel[0] == p.kernel[1] && p.stride[0] == p.stride[1] && p.dilation == [1, 1])
                 .then_some((p.kernel[0], p.stride[0]));
         let find = |layout: Layout, ymm: bool, shape: Option<(usize, usize)>| {
-            cpu::dw_f32()
-                .iter()
-                .find(|k| k.isa == isa && k.layout == layout && k.ymm == ymm && k.fixed == shape)
+            cpu::dw_f32().iter().find(|k| {
+                k.isa == isa && k.layout == layout && k.ymm == ymm && k.fixed == shape && !k.flat
+            })
         };
         // The forced kernel where it has the layout and width asked for, else the unrolled
         // kernel of the shape, else the generic one.
@@ -217,7 +298,8 @@ impl Depthwise {
         if let Some(k) = forced {
             let layout_ok = k.layout == p.layout
                 || (k.layout == Layout::Nhwc && p.out_channels == p.in_channels);
-            if !layout_ok || k.fixed.is_some_and(|f| Some(f) != shape) {
+            if !layout_ok || k.fixed.is_some_and(|f| Some(f) != shape) || (k.flat && !flat_fits(p))
+            {
                 return Err(Error::AlgorithmUnsupported {
                     algorithm: name,
                     reason: format!(
@@ -228,10 +310,16 @@ impl Depthwise {
             }
         }
         let forced_mode = forced.map(|k| match (k.layout, p.layout) {
+            (Layout::Nchw, _) if k.flat => Mode::Flat,
             (Layout::Nchw, _) => Mode::Planes,
             (Layout::Nhwc, Layout::Nchw) => Mode::Blocked,
             (Layout::Nhwc, Layout::Nhwc) => Mode::Channels,
         });
+        let find_flat = |ymm: bool| {
+            cpu::dw_f32()
+                .iter()
+                .find(|k| k.isa == isa && k.flat && k.ymm == ymm)
+        };
         let missing = || Error::AlgorithmUnsupported {
             algorithm: name,
             reason: format!("no depthwise kernel generated for {isa}"),
@@ -243,7 +331,7 @@ impl Depthwise {
             Layout::Nchw => Some((
                 // A forced 8-lane kernel runs at every width.
                 match forced {
-                    Some(k) if k.layout == Layout::Nchw => k,
+                    Some(k) if k.layout == Layout::Nchw && !k.flat => k,
                     _ => pick(Layout::Nchw, false).ok_or_else(missing)?,
                 },
                 weights.to_vec(),
@@ -277,6 +365,16 @@ impl Depthwise {
                 _ => None,
             },
             channels,
+            flat: match forced {
+                Some(k) if k.flat => Some(k),
+                Some(_) => None,
+                None if generic || !flat_fits(p) => None,
+                None => find_flat(false),
+            },
+            flat_narrow: match forced {
+                None if !generic && flat_fits(p) => find_flat(true),
+                _ => None,
+            },
             multiplier: p.out_channels / p.in_channels,
             transpose: cpu::transpose_rows_8x8(isa),
             forced_mode,
@@ -287,7 +385,27 @@ impl Depthwise {
 
     pub(crate) fn plan(&self, g: &Geometry, threads: usize) -> DwPlan {
         let forced = self.forced_mode;
+        let t = threads.max(1);
+        // Flat items: a run of planes (of one input plane, with a channel multiplier).
+        let per_call = match self.multiplier {
+            1 => (g.batch * g.c_out).div_ceil(4 * t).clamp(2, FLAT_PLANES),
+            m => m,
+        };
+        let flat = match forced {
+            Some(m) => self.flat.filter(|_| matches!(m, Mode::Flat)),
+            None => self
+                .flat
+                .filter(|_| flat_wins(g, self.isa))
+                .map(|k| match self.flat_narrow {
+                    Some(n) if g.oh * g.ow <= FLAT_NARROW_MAX => n,
+                    _ => k,
+                }),
+        };
         let (mode, kern, units) = match (&self.planes, &self.channels) {
+            _ if flat.is_some() => {
+                let k = flat.expect("checked");
+                (Mode::Flat, k, g.batch * g.c_out.div_ceil(per_call))
+            }
             (None, Some(c)) => (Mode::Channels, c.kern, g.batch),
             (Some(_), Some(c))
                 if forced.map_or_else(
@@ -308,9 +426,8 @@ impl Depthwise {
         };
         // Enough items that the workers finish together; bands of whole register blocks.
         // Blocked items are whole blocks: the transposes go plane by plane.
-        let t = threads.max(1);
         let bands = match mode {
-            Mode::Blocked => 1,
+            Mode::Blocked | Mode::Flat => 1,
             _ if t == 1 => 1,
             _ => (4 * t).div_ceil(units).clamp(1, g.oh),
         };
@@ -345,10 +462,14 @@ impl Depthwise {
                 // Widened input planes that the output pixels' space cannot hold.
                 Mode::Blocked if g.oh * owp >= g.h * g.w => 0,
                 Mode::Blocked => BLOCK * g.h * g.w,
+                // A call's input and output planes, converted.
+                Mode::Flat => per_call * (g.h * g.w + g.oh * g.ow),
                 _ => tile_in + tile_rows * per_out_row,
             },
             tile_rows,
             tile_in,
+            per_call,
+            flat: flat.map(|k| FlatTable::new(g, k.lanes, k.block)),
         }
     }
 
@@ -382,7 +503,7 @@ impl Depthwise {
     /// tensors of type `t`, if this build and CPU have one: plane and channel modes only (the
     /// blocked mode converts in its transposes).
     fn half_kernel(&self, plan: &DwPlan, t: StorageType) -> Option<&'static DwKernel> {
-        if matches!(plan.mode, Mode::Blocked) {
+        if matches!(plan.mode, Mode::Blocked | Mode::Flat) {
             return None;
         }
         let isa = half_isa(self.isa)?;
@@ -515,6 +636,11 @@ impl Depthwise {
             dw: g.dw,
             min,
             max,
+            planes: 0,
+            in_step: 0,
+            offsets: std::ptr::null(),
+            masks: std::ptr::null(),
+            vectors: 0,
         };
         let (hw, ohw) = (g.h * g.w, g.oh * g.ow);
         // 16-bit tensors, f32 kernel: tiles of rows converted in the worker's scratch.
@@ -657,6 +783,73 @@ impl Depthwise {
                     unsafe { (kern.func)(&a) };
                     o + oy0 * row..o + oy1 * row
                 }
+                Mode::Flat => {
+                    let (Some((_, weights, bias)), Some(table)) = (&self.planes, &plan.flat) else {
+                        unreachable!("flat plans have plane weights and a table")
+                    };
+                    let chunks = g.c_out.div_ceil(plan.per_call);
+                    let (n, oc) = (unit / chunks, unit % chunks * plan.per_call);
+                    let planes = plan.per_call.min(g.c_out - oc);
+                    // With a channel multiplier an item's planes read one input plane.
+                    let in_step = if self.multiplier == 1 { hw } else { 0 };
+                    let first = (n * g.c_in + oc / self.multiplier) * hw;
+                    let ins = if in_step == 0 { hw } else { planes * hw };
+                    let (o, outs) = ((n * g.c_out + oc) * ohw, planes * ohw);
+                    let a = DwArgs {
+                        weights: weights[oc * g.kh * g.kw..].as_ptr(),
+                        bias: bias[oc..].as_ptr(),
+                        planes,
+                        in_step,
+                        offsets: table.offsets.as_ptr(),
+                        masks: table.masks.as_ptr(),
+                        vectors: table.vectors,
+                        ..args(std::ptr::null(), std::ptr::null_mut(), std::ptr::null())
+                    };
+                    if tiled {
+                        let (tin, rest) = s.split_at_mut(ins);
+                        let y = &mut rest[..outs];
+                        widen(&input[first..first + ins], tin);
+                        let t = DwArgs {
+                            input: tin.as_ptr(),
+                            output: y.as_mut_ptr(),
+                            // With a residual the clamp waits until it is added.
+                            min: if has_res { f32::NEG_INFINITY } else { min },
+                            max: if has_res { f32::INFINITY } else { max },
+                            ..a
+                        };
+                        // SAFETY: as below, on the item's planes converted into the worker's
+                        // scratch (`ins` input and `outs` output floats).
+                        unsafe { (kern.func)(&t) };
+                        // SAFETY: this item's planes, inside the output (length checked),
+                        // written by no other item.
+                        let dst = unsafe {
+                            std::slice::from_raw_parts_mut((out.get() as *mut O).add(o), outs)
+                        };
+                        finish(
+                            y,
+                            residual.map(|r| &r[o..o + outs]),
+                            dst,
+                            min,
+                            max,
+                            activation,
+                        );
+                        return;
+                    }
+                    let a = DwArgs {
+                        input: input[first..first + ins].as_ptr() as *const f32,
+                        output: out_at(o),
+                        residual: res_at(o),
+                        ..a
+                    };
+                    // SAFETY: the f32 flat kernel (ISA checked at create; `tiled` is false, so
+                    // `I` and `O` are f32) on `planes` whole planes: the table was built for
+                    // this geometry (stride 1, `ow == w`: tap `t` of output `o` is input `o +
+                    // offsets[t]`) and masks every lane whose input lies outside its plane,
+                    // so only the `ins` input floats are read; it writes the item's `outs`
+                    // output floats, which no other item writes.
+                    unsafe { (kern.func)(&a) };
+                    o..o + outs
+                }
                 Mode::Blocked => {
                     let cw = self.channel_weights();
                     let blocks = g.c_out.div_ceil(BLOCK);
@@ -795,6 +988,34 @@ fn finish<O: Storage>(
         activation.apply_slice(y);
     }
     narrow(y, dst);
+}
+
+/// Output planes a flat item runs at most (fewer where the workers need more items).
+const FLAT_PLANES: usize = 16;
+
+/// Planes of at most this many outputs run the 8-lane flat kernel at AVX-512: a 4x4 plane
+/// is one 16-lane vector of the four a block computes, two of 8 lanes.
+const FLAT_NARROW_MAX: usize = 32;
+
+/// Whether the flat kernel beats the plane and blocked modes on `g` (which it takes), from
+/// `convkit bench` with the kernels forced (one thread, AMD EPYC Zen 4, two rounds, GFLOP/s
+/// flat vs the mode chosen before; layers of the suite and made-up ones with "same" padding).
+/// Every tap of a flat kernel is a masked load at an offset no row structure aligns, so on
+/// planes wide enough for the plane kernels' rows it loses (AVX-512: 3x3 on 28x28 32-42 vs
+/// 51-52, 5x5 on 28x28 46-48 vs 72, 7x7 on 14x14 and 7x7 40-46 and 39-40 vs 72-75 and 52-55;
+/// 3x3 on 14x14 33-35 vs 25-41, a tie). It wins where rows are shorter than a vector (3x3:
+/// on 7x7 31-33 vs 21-23, on 8x8 44 vs 19-24, AVX2 26 vs 12-13 and 33 vs 18-23; 5x5 on 7x7,
+/// AVX-512 34-38 vs 24-35, AVX2 31 vs 18-24), and on the shapes without an unrolled kernel,
+/// which went through the blocked mode's transposes (3x3 dilation 2 on 28x28 and 14x14:
+/// AVX-512 34-40 vs 14-18, AVX2 21-29 vs 12-19; 9x9 on 28x28 45-52 vs 40-49, on 7x7 41 vs
+/// 37-47, but AVX2 34 vs 43-45).
+fn flat_wins(g: &Geometry, isa: Isa) -> bool {
+    let fixed = g.kh == g.kw && matches!(g.kh, 3 | 5 | 7) && g.dh == 1 && g.dw == 1;
+    if fixed {
+        g.kh <= 5 && g.ow <= 8
+    } else {
+        isa == Isa::Avx512 || g.kh * g.kw <= 25
+    }
 }
 
 /// The most scratch floats a worker of the blocked mode may take (4 MiB) before the choice

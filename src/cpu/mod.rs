@@ -400,6 +400,10 @@ pub struct KernelInfo {
     pub fixed: Option<(usize, usize)>,
     /// The kernel takes only 1-D convolutions (kernel height 1; `fixed` is then its width).
     pub conv1d: bool,
+    /// A flat-plane depthwise kernel: it takes stride 1 with an output as wide as the input
+    /// only ("same" padding, or explicit left and right padding adding up to the kernel's
+    /// reach), any kernel and dilation.
+    pub flat: bool,
     /// The type the kernel reads and writes tensors in: f32 for all but the 16-bit depthwise
     /// kernels (`dw_f16_*`, `dw_bf16_*`, run by [`Plan::run_storage`](crate::Plan::run_storage)).
     pub storage: crate::StorageType,
@@ -414,6 +418,7 @@ pub fn registry() -> Vec<KernelInfo> {
         layout: None,
         fixed: None,
         conv1d: false,
+        flat: false,
         storage: crate::StorageType::F32,
     });
     let dw = dw_f32().iter().chain(dw_half()).map(|k| KernelInfo {
@@ -423,6 +428,7 @@ pub fn registry() -> Vec<KernelInfo> {
         layout: Some(k.layout),
         fixed: k.fixed,
         conv1d: false,
+        flat: k.flat,
         storage: k.storage,
     });
     let direct = direct_f32().iter().map(|k| KernelInfo {
@@ -432,6 +438,7 @@ pub fn registry() -> Vec<KernelInfo> {
         layout: Some(crate::Layout::Nchw),
         fixed: Some(k.fixed),
         conv1d: false,
+        flat: false,
         storage: crate::StorageType::F32,
     });
     let wino = wino_f32().iter().map(|k| KernelInfo {
@@ -441,6 +448,7 @@ pub fn registry() -> Vec<KernelInfo> {
         layout: None,
         fixed: Some((3, 1)),
         conv1d: k.dims == 1,
+        flat: false,
         storage: crate::StorageType::F32,
     });
     #[cfg(feature = "int8")]
@@ -451,6 +459,7 @@ pub fn registry() -> Vec<KernelInfo> {
         layout: None,
         fixed: None,
         conv1d: false,
+        flat: false,
         storage: crate::StorageType::F32,
     });
     #[cfg(feature = "int8")]
@@ -461,6 +470,7 @@ pub fn registry() -> Vec<KernelInfo> {
         layout: None,
         fixed: Some((k.k, k.s)),
         conv1d: false,
+        flat: false,
         storage: crate::StorageType::F32,
     });
     let all = gemm.chain(dw).chain(direct).chain(wino);
