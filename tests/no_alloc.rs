@@ -2,8 +2,8 @@
 //! watches every allocation the test's thread makes while it runs.
 
 use convkit::{
-    Accumulate, Activation, Conv2d, ConvBackward, ConvParams, ConvTranspose2d, Layout, Options,
-    Padding, Workspace,
+    Accumulate, Activation, Conv2d, ConvBackward, ConvParams, ConvTranspose2d, Isa, Layout,
+    Options, Padding, Workspace,
 };
 use std::alloc::{GlobalAlloc, Layout as AllocLayout, System};
 use std::cell::Cell;
@@ -93,14 +93,15 @@ fn run_does_not_allocate() {
                 .with_activation(Activation::Gelu),
             "depthwise/transpose16+dw_f32_generic_nhwc",
         ),
-        // Dilated depthwise 3x3, "same": the flat kernel (x86), with the plan's mask table.
+        // Dilated depthwise 3x3, "same": the flat kernel (AVX2 and up), with the plan's mask
+        // table.
         (
             ConvParams::conv2d(24, 48, [3, 3])
                 .with_groups(24)
                 .with_dilation([2, 2])
                 .with_padding(Padding::Same)
                 .with_activation(Activation::Gelu),
-            if cfg!(target_arch = "x86_64") {
+            if matches!(Isa::default_level(), Ok(Isa::Avx2 | Isa::Avx512)) {
                 "depthwise/dw_f32_flat_nchw"
             } else {
                 "depthwise/dw_f32_generic_nchw"

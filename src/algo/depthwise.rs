@@ -993,6 +993,10 @@ fn finish<O: Storage>(
 /// Output planes a flat item runs at most (fewer where the workers need more items).
 const FLAT_PLANES: usize = 16;
 
+/// Planes of more outputs than this (32x32) keep the other modes: measured up to 28x28, and
+/// the mask table (a mask per vector and tap) grows with the plane.
+const FLAT_OUTPUTS_MAX: usize = 1024;
+
 /// Planes of at most this many outputs run the 8-lane flat kernel at AVX-512: a 4x4 plane
 /// is one 16-lane vector of the four a block computes, two of 8 lanes.
 const FLAT_NARROW_MAX: usize = 32;
@@ -1010,6 +1014,9 @@ const FLAT_NARROW_MAX: usize = 32;
 /// AVX-512 34-40 vs 14-18, AVX2 21-29 vs 12-19; 9x9 on 28x28 45-52 vs 40-49, on 7x7 41 vs
 /// 37-47, but AVX2 34 vs 43-45).
 fn flat_wins(g: &Geometry, isa: Isa) -> bool {
+    if g.oh * g.ow > FLAT_OUTPUTS_MAX {
+        return false;
+    }
     let fixed = g.kh == g.kw && matches!(g.kh, 3 | 5 | 7) && g.dh == 1 && g.dw == 1;
     if fixed {
         g.kh <= 5 && g.ow <= 8
