@@ -4,7 +4,9 @@
 //!
 //! NCHW runs one channel plane at a time (any channel multiplier: output channel `o` reads
 //! input plane `o / multiplier`); NHWC vectorises across channels (multiplier 1; other
-//! multipliers go to the grouped path). Weights are packed once: as they come (a plane's taps
+//! multipliers go to the grouped path). Small NCHW planes at stride 1 run whole as flat
+//! vectors (the flat kernels, `Mode::Flat`), or 16 at a time transposed to pixels for
+//! the NHWC kernels (the blocked mode). Weights are packed once: as they come (a plane's taps
 //! are contiguous) for NCHW, tap-major with the channels padded to a whole vector for NHWC.
 
 use super::{for_each_worker, SendPtr};
@@ -94,7 +96,7 @@ enum Mode {
     Channels,
     /// NCHW through the channel kernels: 16 planes at a time transposed into a scratch of
     /// 16-channel pixels, run, and transposed back. For small images, whose rows are too short
-    /// for the plane kernels' vectors.
+    /// for the plane kernels' vectors, that the flat kernels do not take.
     Blocked,
     /// NCHW, whole planes as flat vectors (stride 1, output as wide as the input), lane
     /// masks from the plan's [`FlatTable`]: small planes, without transposes or short rows.
@@ -401,13 +403,10 @@ impl Depthwise {
                     _ => k,
                 }),
         };
-        let (mode, kern, units) = match (&self.planes, &self.channels) {
-            _ if flat.is_some() => {
-                let k = flat.expect("checked");
-                (Mode::Flat, k, g.batch * g.c_out.div_ceil(per_call))
-            }
-            (None, Some(c)) => (Mode::Channels, c.kern, g.batch),
-            (Some(_), Some(c))
+        let (mode, kern, units) = match (flat, &self.planes, &self.channels) {
+            (Some(k), ..) => (Mode::Flat, k, g.batch * g.c_out.div_ceil(per_call)),
+            (None, None, Some(c)) => (Mode::Channels, c.kern, g.batch),
+            (None, Some(_), Some(c))
                 if forced.map_or_else(
                     || blocked_wins(g, c.kern) && blocked_scratch(g, c.kern) <= BLOCKED_SCRATCH_MAX,
                     |m| matches!(m, Mode::Blocked),
@@ -415,14 +414,16 @@ impl Depthwise {
             {
                 (Mode::Blocked, c.kern, g.batch * g.c_out.div_ceil(BLOCK))
             }
-            (Some((k, ..)), _) => {
+            (None, Some((k, ..)), _) => {
                 let k = match self.narrow {
                     Some(n) if g.ow <= n.lanes => n,
                     _ => k,
                 };
                 (Mode::Planes, k, g.batch * g.c_out)
             }
-            (None, None) => unreachable!("every depthwise convolution has planes or channels"),
+            (None, None, None) => {
+                unreachable!("every depthwise convolution has planes or channels")
+            }
         };
         // Enough items that the workers finish together; bands of whole register blocks.
         // Blocked items are whole blocks: the transposes go plane by plane.
