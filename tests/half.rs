@@ -232,6 +232,15 @@ fn small_depthwise_planes_run_flat() {
             .with_dilation([dil, dil])
             .with_padding(Padding::Same)
             .with_activation(Activation::Silu);
+        if matches!(Isa::default_level(), Ok(Isa::Avx2 | Isa::Avx512)) {
+            let weights = vec![f16::ZERO; params.weights_len().unwrap()];
+            let conv = Conv2d::from_storage(params, &weights, None, Options::default()).unwrap();
+            let name = conv.plan(2, h, w).unwrap().kernel_name();
+            assert!(
+                name.contains("dw_f32_flat"),
+                "{params:?} {h}x{w} ran {name}"
+            );
+        }
         let case = Case {
             params,
             batch: 2,

@@ -397,7 +397,10 @@ impl Depthwise {
             Some(m) => self.flat.filter(|_| matches!(m, Mode::Flat)),
             None => self
                 .flat
-                .filter(|_| flat_wins(g, self.isa))
+                .filter(|_| {
+                    let unrolled = self.planes.as_ref().and_then(|(k, ..)| k.fixed);
+                    flat_wins(g, self.isa, unrolled)
+                })
                 .map(|k| match self.flat_narrow {
                     Some(n) if g.oh * g.ow <= FLAT_NARROW_MAX => n,
                     _ => k,
@@ -999,7 +1002,9 @@ const FLAT_PLANES: usize = 16;
 const FLAT_OUTPUTS_MAX: usize = 1024;
 
 /// Planes of at most this many outputs run the 8-lane flat kernel at AVX-512: a 4x4 plane
-/// is one 16-lane vector of the four a block computes, two of 8 lanes.
+/// is one 16-lane vector of the four a block computes, two of 8 lanes (3x3 on 4x4, two
+/// rounds: 18-19 GFLOP/s against 12 through the 16-lane kernel and 17 through the blocked
+/// mode; on 7x7 to 28x28 planes the two widths were within 0.87-1.16x of each other).
 const FLAT_NARROW_MAX: usize = 32;
 
 /// Whether the flat kernel beats the plane and blocked modes on `g` (which it takes), from
@@ -1014,15 +1019,15 @@ const FLAT_NARROW_MAX: usize = 32;
 /// which went through the blocked mode's transposes (3x3 dilation 2 on 28x28 and 14x14:
 /// AVX-512 34-40 vs 14-18, AVX2 21-29 vs 12-19; 9x9 on 28x28 45-52 vs 40-49, on 7x7 41 vs
 /// 37-47, but AVX2 34 vs 43-45).
-fn flat_wins(g: &Geometry, isa: Isa) -> bool {
+/// `unrolled`: the (kernel, stride) of the plane kernel the layer has, if it has an unrolled
+/// one.
+fn flat_wins(g: &Geometry, isa: Isa, unrolled: Option<(usize, usize)>) -> bool {
     if g.oh * g.ow > FLAT_OUTPUTS_MAX {
         return false;
     }
-    let fixed = g.kh == g.kw && matches!(g.kh, 3 | 5 | 7) && g.dh == 1 && g.dw == 1;
-    if fixed {
-        g.kh <= 5 && g.ow <= 8
-    } else {
-        isa == Isa::Avx512 || g.kh * g.kw <= 25
+    match unrolled {
+        Some((k, _)) => k <= 5 && g.ow <= 8,
+        None => isa == Isa::Avx512 || g.kh * g.kw <= 25,
     }
 }
 
