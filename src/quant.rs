@@ -361,13 +361,24 @@ impl QConv2d {
                 if !depthwise {
                     return Err(unsupported(format!(
                         "{} runs depthwise convolutions only",
-                        k.name
+                        k.name()
                     )));
                 }
-                if let Some(why) = QDepthwise::rejects(&params, k) {
-                    return Err(unsupported(why));
+                match k {
+                    cpu::QDwByName::Rows(k) => {
+                        if let Some(why) = QDepthwise::rejects(&params, k) {
+                            return Err(unsupported(why));
+                        }
+                        QAlgo::Depthwise(QDepthwise::new(&params, weights, zu, Some(k), None))
+                    }
+                    cpu::QDwByName::Small(k) => QAlgo::Depthwise(QDepthwise::new(
+                        &params,
+                        weights,
+                        zu,
+                        None,
+                        Some((k, true)),
+                    )),
                 }
-                QAlgo::Depthwise(QDepthwise::new(&params, weights, zu, Some(k)))
             }
             (None, Some(name), _) => {
                 let kern = cpu::qgemm_by_name(name)?;
@@ -385,13 +396,16 @@ impl QConv2d {
                         "the convolution is not depthwise (one input channel a group)".into(),
                     ));
                 }
-                let kern = match a {
-                    Some(Algorithm::DepthwiseGeneric) => None,
-                    _ => cpu::qdw(isa)
-                        .iter()
-                        .find(|k| QDepthwise::rejects(&params, k).is_none()),
+                let (kern, small) = match a {
+                    Some(Algorithm::DepthwiseGeneric) => (None, None),
+                    _ => (
+                        cpu::qdw(isa)
+                            .iter()
+                            .find(|k| QDepthwise::rejects(&params, k).is_none()),
+                        cpu::qdw_small(isa).map(|k| (k, false)),
+                    ),
                 };
-                QAlgo::Depthwise(QDepthwise::new(&params, weights, zu, kern))
+                QAlgo::Depthwise(QDepthwise::new(&params, weights, zu, kern, small))
             }
             (None, None, Some(Algorithm::Direct)) => {
                 if let Some(why) = QExactF32::rejects(&params) {
@@ -451,7 +465,7 @@ impl QConv2d {
         let flip = self.inner.quant.input_type == QuantType::I8;
         let algo = match &self.inner.algo {
             QAlgo::Gemm(a) => QAlgoPlan::Gemm(a.plan(&geometry, threads, flip)),
-            QAlgo::Depthwise(a) => QAlgoPlan::Depthwise(a.plan(&geometry, threads)),
+            QAlgo::Depthwise(a) => QAlgoPlan::Depthwise(a.plan(&geometry, threads)?),
             QAlgo::ExactF32(a) => QAlgoPlan::ExactF32(a.plan(&geometry, threads)?),
         };
         Ok(QPlan {
@@ -509,7 +523,10 @@ impl QPlan {
     pub fn kernel_name(&self) -> String {
         match &self.conv.algo {
             QAlgo::Gemm(a) => format!("im2col_gemm/{}", a.kernel_name()),
-            QAlgo::Depthwise(a) => format!("depthwise/{}", a.kernel_name()),
+            QAlgo::Depthwise(a) => match &*self.algo {
+                QAlgoPlan::Depthwise(p) => format!("depthwise/{}", a.kernel_name(p)),
+                _ => unreachable!("a plan is made by its convolution's algorithm"),
+            },
             QAlgo::ExactF32(_) => match &*self.algo {
                 QAlgoPlan::ExactF32(p) => format!("exact_f32/{}", QExactF32::kernel_name(p)),
                 _ => unreachable!("a plan is made by its convolution's algorithm"),

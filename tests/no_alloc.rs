@@ -234,23 +234,29 @@ fn quantized_run_does_not_allocate() {
         (
             ConvParams::conv2d(24, 40, [3, 3]).with_padding(Padding::Same),
             "im2col_gemm/",
+            12,
         ),
         (
             ConvParams::conv2d(32, 40, [1, 1]).with_layout(Layout::Nhwc),
             "im2col_gemm/",
+            12,
         ),
-        (dw(Layout::Nchw), "depthwise/"),
-        (dw(Layout::Nhwc), "depthwise/"),
+        (dw(Layout::Nchw), "depthwise/", 12),
+        (dw(Layout::Nhwc), "depthwise/", 12),
+        // 7x7 planes: the small-plane kernel where the CPU has it (AVX-512 VNNI and VBMI).
+        (dw(Layout::Nchw), "depthwise/", 7),
+        (dw(Layout::Nhwc), "depthwise/", 7),
         // Grouped, 4 channels a group: exactly through the f32 direct kernels.
         (
             ConvParams::conv2d(32, 32, [3, 3])
                 .with_groups(8)
                 .with_padding(Padding::Same),
             "exact_f32/",
+            12,
         ),
     ];
     let mut ws = Workspace::new();
-    for (params, path) in layers {
+    for (params, path, size) in layers {
         for input_type in [QuantType::U8, QuantType::I8] {
             let weights = vec![3i8; params.weights_len().unwrap()];
             let bias = vec![7i32; params.out_channels];
@@ -263,9 +269,13 @@ fn quantized_run_does_not_allocate() {
             };
             let conv =
                 QConv2d::new(params, quant, &weights, Some(&bias), Options::threads(1)).unwrap();
-            let plan = conv.plan(2, 12, 12).unwrap();
+            let plan = conv.plan(2, size, size).unwrap();
+            let small = size == 7
+                && convkit::cpu::has_vnni_vbmi()
+                && matches!(Isa::default_level(), Ok(Isa::Avx512));
             assert!(
-                plan.kernel_name().starts_with(path),
+                plan.kernel_name().starts_with(path)
+                    && plan.kernel_name().contains("plane64") == small,
                 "{}",
                 plan.kernel_name()
             );

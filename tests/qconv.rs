@@ -58,16 +58,19 @@ struct Case {
 /// A random quantized convolution: any shape, or (`dw`) a depthwise one, of a fixed square
 /// kernel and stride where `dw` says so.
 fn random_case(rng: &mut Rng, dw: Option<Option<(usize, usize)>>) -> Case {
-    random_case_with(rng, dw, None)
+    random_case_with(rng, dw, None, false)
 }
 
 /// As [`random_case`]; `direct`: an NCHW convolution of this square kernel and stride,
-/// dilation 1 (the shapes the f32 direct kernels take).
+/// dilation 1 (the shapes the f32 direct kernels take); `plane64`: a depthwise one whose
+/// planes have at most 64 inputs and 64 outputs (the small-plane kernel's).
 fn random_case_with(
     rng: &mut Rng,
     dw: Option<Option<(usize, usize)>>,
     direct: Option<(usize, usize)>,
+    plane64: bool,
 ) -> Case {
+    let dw = if plane64 { Some(None) } else { dw };
     let groups = pick(rng, &[1, 1, 1, 2, 3]) as usize;
     let depthwise = dw.is_some() || rng.next_u64().is_multiple_of(6);
     let (cin, cout) = if depthwise {
@@ -82,6 +85,20 @@ fn random_case_with(
     let groups = if depthwise { cin } else { groups };
     let (kernel, stride, dilation) = match (dw, direct) {
         (Some(Some((k, s))), _) | (_, Some((k, s))) => ([k, k], [s, s], [1, 1]),
+        // Up to 7x7 (the spans must fit a 64-byte plane).
+        _ if plane64 => {
+            let kernel = [int(rng, 1, 7) as usize, int(rng, 1, 7) as usize];
+            let d = if kernel.iter().all(|&k| k <= 3) {
+                [int(rng, 1, 2) as usize, int(rng, 1, 2) as usize]
+            } else {
+                [1, 1]
+            };
+            (
+                kernel,
+                [int(rng, 1, 3) as usize, int(rng, 1, 3) as usize],
+                d,
+            )
+        }
         _ => (
             [int(rng, 1, 5) as usize, int(rng, 1, 5) as usize],
             [int(rng, 1, 3) as usize, int(rng, 1, 3) as usize],
@@ -105,8 +122,32 @@ fn random_case_with(
     let span = |k: usize, d: usize| (k - 1) * d + 1;
     // Depthwise: now and then a plane over 4 KiB (padded a row at a time, not gathered).
     let tall = dw.is_some() && rng.next_u64().is_multiple_of(4);
-    let h = span(kernel[0], dilation[0]) + int(rng, 0, if tall { 60 } else { 12 }) as usize;
-    let w = span(kernel[1], dilation[1]) + int(rng, 0, if dw.is_some() { 90 } else { 20 }) as usize;
+    let mut h = span(kernel[0], dilation[0]) + int(rng, 0, if tall { 60 } else { 12 }) as usize;
+    let mut w =
+        span(kernel[1], dilation[1]) + int(rng, 0, if dw.is_some() { 90 } else { 20 }) as usize;
+    let mut padding = padding;
+    if plane64 {
+        // Planes of at most 64 inputs, drawn until the output fits 64 too (else no padding).
+        let fits = |h: usize, w: usize, padding: Padding| {
+            let p = ConvParams::conv2d(1, 1, kernel)
+                .with_stride(stride)
+                .with_dilation(dilation)
+                .with_padding(padding);
+            h * w <= 64 && p.geometry(1, h, w).is_ok_and(|g| g.oh * g.ow <= 64)
+        };
+        let (sh, sw) = (span(kernel[0], dilation[0]), span(kernel[1], dilation[1]));
+        for attempt in 0..50 {
+            h = sh + int(rng, 0, (64 / sw - sh) as i64) as usize;
+            w = sw + int(rng, 0, (64 / h - sw) as i64) as usize;
+            if attempt == 49 {
+                padding = Padding::Valid;
+            }
+            if fits(h, w, padding) {
+                break;
+            }
+        }
+        assert!(fits(h, w, padding), "{kernel:?} {h}x{w} {padding:?}");
+    }
     let input_type = pick(rng, &[QuantType::U8, QuantType::I8]);
     let (lo, hi) = input_type.range();
     let (lo, hi) = (lo as i64, hi as i64);
@@ -351,13 +392,34 @@ fn every_int8_depthwise_kernel_is_exact_on_random_cases() {
     for (ki, k) in kernels.iter().enumerate() {
         let mut rng = Rng::new(0xd3 + ki as u64);
         for i in 0..n {
-            let c = random_case(&mut rng, Some(k.fixed));
+            let c = random_case_with(&mut rng, Some(k.fixed), None, k.flat);
             if let Err(e) = run_case(&c, k.name) {
                 panic!(
                     "{}, case {i}: {e}\n{:?} {}x{} {:?}",
                     k.name, c.params, c.h, c.w, c.quant
                 );
             }
+        }
+    }
+    // The small-plane kernel, forced, refuses planes over 64 bytes at plan time.
+    if let Some(k) = kernels.iter().find(|k| k.flat) {
+        let params = ConvParams::conv2d(4, 4, [3, 3]).with_groups(4);
+        let quant = QuantParams::u8(0.02, 128, 0.01, 0.05, 128);
+        let opts = Options {
+            kernel: Some(k.name),
+            ..Options::default()
+        };
+        let conv = QConv2d::new(params, quant, &[1; 36], None, opts).unwrap();
+        assert!(conv.plan(1, 8, 8).is_ok());
+        match conv.plan(1, 9, 8) {
+            Err(convkit::Error::AlgorithmUnsupported { reason, .. }) => {
+                assert!(reason.contains("9x8"), "{reason}")
+            }
+            other => panic!(
+                "{} on a 9x8 plane: {:?}",
+                k.name,
+                other.map(|p| p.kernel_name())
+            ),
         }
     }
     // The generic kernel, at every ISA level, on any depthwise shape.
@@ -388,7 +450,7 @@ fn short_sums_through_f32_are_exact() {
         let (mut default, mut direct) = (0, 0);
         for i in 0..n {
             let (k, s) = pick(&mut rng, &[(3, 1), (3, 2), (4, 4), (7, 2), (2, 1)]);
-            let c = random_case_with(&mut rng, None, Some((k, s)));
+            let c = random_case_with(&mut rng, None, Some((k, s)), false);
             for algorithm in [None, Some(convkit::Algorithm::Direct)] {
                 let opts = Options {
                     isa: Some(isa),

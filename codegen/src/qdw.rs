@@ -49,17 +49,126 @@ pub fn emit_all(shapes: &[(usize, usize)]) -> TokenStream {
     } else {
         quote! {
             #[cfg(target_arch = "x86_64")]
-            use crate::algo::{qdepthwise::QDwEpilogue, qgemm::QMode};
+            use crate::algo::{qdepthwise::{QDwEpilogue, QDwSmallArgs}, qgemm::QMode};
         }
     };
+    // The small-plane kernel takes any kernel size, stride and dilation: one, where the
+    // others are built.
+    let (small, small_entry) = if shapes.is_empty() {
+        (quote!(), quote!())
+    } else {
+        let n = SMALL_NAME;
+        let f = format_ident!("{}", n);
+        (
+            emit_small(),
+            quote! {
+                #[cfg(target_arch = "x86_64")]
+                QDwSmallKernel { name: #n, func: #f },
+            },
+        )
+    };
     quote! {
-        use crate::algo::qdepthwise::QDwKernel;
+        use crate::algo::qdepthwise::{QDwKernel, QDwSmallKernel};
         #kernel_uses
 
         #(#kernels)*
+        #small
 
         /// Every int8 depthwise kernel compiled for this target, from the generator's table.
         pub static QDW_KERNELS: &[QDwKernel] = &[#(#entries)*];
+
+        /// The small-plane kernel, where it is compiled.
+        pub static QDW_SMALL_KERNELS: &[QDwSmallKernel] = &[#small_entry];
+    }
+}
+
+/// The name of the small-plane kernel.
+pub const SMALL_NAME: &str = "qdw_u8i8_plane64_avx512vnni";
+
+/// The small-plane kernel: for channel planes of at most 64 bytes (7x7, 8x8 images) with at
+/// most 64 outputs, any kernel size, stride, dilation and padding.
+///
+/// One 64-byte load holds the whole input plane, so no zero-point padded copy is made and no
+/// plane is read twice: the kernel's taps, flattened (`ky·kw + kx`), go in quads, and for
+/// each quad and each of the four output vectors one merge-masked `vpermb` gathers every
+/// output's four inputs from that register, the zero point where a tap falls in the padding
+/// (a mask and an index table per quad and vector, made once by the plan). One `vpdpbusd` a
+/// quad and vector: a 3x3 kernel is 3 (9 taps in 3 quads), 7x7 is 13. A call runs a block of
+/// channels, so the per-plane set-up of the row kernels (a padded copy, a call) is gone.
+fn emit_small() -> TokenStream {
+    let name = format_ident!("{}", SMALL_NAME);
+    let doc = " int8 depthwise convolution of a block of small channel planes (AVX-512 VNNI + \
+        VBMI): see `QDwSmallArgs`.\n\n # Safety\n The CPU must have AVX-512F/BW/VL, VNNI and \
+        VBMI, and `a` must describe valid memory as `QDwSmallArgs` says.";
+    let packed = pack_store(|u, j| LANES * u + j, quote!(y), quote!(a.ohw));
+    let requant = (0..4usize).map(|u| {
+        let (acc, p) = (format_ident!("acc{}", u), format_ident!("p{}", u));
+        let q = requantize(&acc);
+        quote!(let #p = #q;)
+    });
+    let wide_stores = (0..4usize).map(|u| {
+        let acc = format_ident!("acc{}", u);
+        let at = lit(LANES * u);
+        quote! {
+            if a.ohw > #at {
+                let left = a.ohw - #at;
+                let mask = if left >= 16 { 0xFFFF } else { ((1u32 << left) - 1) as __mmask16 };
+                if matches!(a.mode, QMode::I32) {
+                    _mm512_mask_storeu_epi32((y as *mut i32).add(#at) as *mut _, mask, #acc);
+                } else {
+                    _mm512_mask_storeu_ps((y as *mut f32).add(#at) as *mut _, mask, _mm512_mul_ps(_mm512_cvtepi32_ps(#acc), scale));
+                }
+            }
+        }
+    });
+    let gathers = (0..4usize).map(|u| {
+        let acc = format_ident!("acc{}", u);
+        let (at, byte) = (lit(u), lit(64 * u));
+        quote! {
+            let v = _mm512_mask_permutexvar_epi8(zu, *k.add(#at), _mm512_loadu_si512(t.add(#byte) as *const __m512i), raw);
+            #acc = _mm512_dpbusd_epi32(#acc, v, wq);
+        }
+    });
+    quote! {
+        #[doc = #doc]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi")]
+        #[cfg(target_arch = "x86_64")]
+        pub unsafe fn #name(a: &QDwSmallArgs) {
+            use core::arch::x86_64::*;
+            let zu = _mm512_set1_epi8(a.zu as i8);
+            let flip = _mm512_set1_epi8(a.flip as i8);
+            let (lo, hi, zp) = (_mm512_set1_ps(a.lo), _mm512_set1_ps(a.hi), _mm512_set1_epi32(a.zero_point));
+            for c in 0..a.planes {
+                let left = a.x_len - c * a.in_step;
+                let src = a.x.add(c * a.in_step);
+                // A plain load where 64 bytes remain (masked loads are slow), else masked.
+                let raw = if left >= 64 {
+                    _mm512_loadu_si512(src as *const __m512i)
+                } else {
+                    _mm512_maskz_loadu_epi8((1u64 << left) - 1, src as *const i8)
+                };
+                let raw = _mm512_xor_si512(raw, flip);
+                for m in 0..a.mult {
+                    let co = c * a.mult + m;
+                    let w = a.w.add(co * a.nq);
+                    let bias = _mm512_set1_epi32(*a.bias.add(co));
+                    let scale = _mm512_set1_ps(*a.scale.add(co));
+                    let (mut acc0, mut acc1, mut acc2, mut acc3) = (bias, bias, bias, bias);
+                    for q in 0..a.nq {
+                        let wq = _mm512_set1_epi32(*w.add(q));
+                        let (t, k) = (a.idx.add(q * 256), a.masks.add(q * 4));
+                        #(#gathers)*
+                    }
+                    let y = a.out.add(co * a.out_step);
+                    if matches!(a.mode, QMode::Q8) {
+                        #(#requant)*
+                        #packed
+                    } else {
+                        #(#wide_stores)*
+                    }
+                }
+            }
+        }
     }
 }
 

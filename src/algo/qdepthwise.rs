@@ -5,15 +5,18 @@
 //! the input zero point (and the i8 -> u8 shift), then computes every output row of the
 //! channel's outputs from the padded rows, with no bounds checks: the generated AVX-512
 //! VNNI kernel of the kernel size and stride where there is one (3, 5, 7; strides 1, 2), else
-//! the generic kernel (any size, stride, dilation, every ISA). NHWC tensors are transposed to
-//! channel planes and back, in the workspace. The zero point is folded into the bias at
-//! create time, as for the GEMM path.
+//! the generic kernel (any size, stride, dilation, every ISA). Planes of at most 64 inputs
+//! and outputs (7x7, 8x8 images) skip the padded copy: the small-plane kernel holds a whole
+//! plane in one register and gathers every tap from it, the zero point where a tap falls in
+//! the padding, a block of channels a call. NHWC tensors are transposed to channel planes and
+//! back, in the workspace. The zero point is folded into the bias at create time, as for the
+//! GEMM path.
 
 use super::qgemm::{requantize, transpose_block, QMode, QOut};
 use super::{for_each_worker, SendPtr};
 use crate::cpu::Isa;
 use crate::params::Geometry;
-use crate::{Activation, ConvParams, Layout};
+use crate::{Activation, ConvParams, Error, Layout, Result};
 
 /// The epilogue of one output row: the channel's bias, scale (or requantisation multiplier),
 /// zero point and clamp, as [`QEpilogue`](super::qgemm::QEpilogue) has them per column.
@@ -43,6 +46,58 @@ pub struct QDwKernel {
     pub s: usize,
 }
 
+/// The arguments of the small-plane kernel (see `codegen/src/qdw.rs`): a block of `planes`
+/// input channel planes of at most 64 bytes, each with `mult` output channels of at most 64
+/// outputs, in place (no padded copy).
+#[repr(C)]
+pub struct QDwSmallArgs {
+    /// The block's first input plane; `x_len` bytes are readable from it, more than
+    /// `(planes - 1) · in_step` (a plane is loaded 64 bytes at a time where that many remain).
+    pub x: *const u8,
+    pub x_len: usize,
+    /// Bytes between input planes.
+    pub in_step: usize,
+    pub planes: usize,
+    /// Output channels an input channel.
+    pub mult: usize,
+    /// Per tap quad `q` and output vector `v` (16 outputs): at `idx[(4q + v) · 64]` the
+    /// `vpermb` indices into the plane of every output's four inputs, and `masks[4q + v]` the
+    /// bytes that are in the image (the others are the zero point).
+    pub idx: *const u8,
+    pub masks: *const u64,
+    /// Tap quads (`⌈kh·kw / 4⌉`).
+    pub nq: usize,
+    /// Per output channel of the block: `nq` quads of i8 weights (taps in `ky·kw + kx` order),
+    /// the bias and the scale.
+    pub w: *const i32,
+    pub bias: *const i32,
+    pub scale: *const f32,
+    /// The first output plane, bytes between output planes, outputs a plane (at most 64).
+    pub out: *mut u8,
+    pub out_step: usize,
+    pub ohw: usize,
+    pub mode: QMode,
+    pub zero_point: i32,
+    pub lo: f32,
+    pub hi: f32,
+    /// The input zero point as u8, and the i8 -> u8 shift.
+    pub zu: u8,
+    pub flip: u8,
+}
+
+/// The signature of the small-plane kernel.
+pub type QDwSmallFn = unsafe fn(&QDwSmallArgs);
+
+/// A generated small-plane kernel: any kernel size, stride and dilation.
+#[derive(Debug)]
+pub struct QDwSmallKernel {
+    pub name: &'static str,
+    pub func: QDwSmallFn,
+}
+
+/// The largest input plane, and output plane, the small-plane kernel takes: one register.
+const SMALL_PLANE: usize = 64;
+
 /// Bytes every padded plane has after its last row, for the kernels' 64-byte loads.
 const SLACK: usize = 128;
 
@@ -68,13 +123,29 @@ pub(crate) struct QDepthwise {
     kern: Option<&'static QDwKernel>,
     /// The generated kernel's weights: per output channel, `kh` rows of i32 quads.
     quads: Vec<i32>,
+    /// The small-plane kernel, for the planes it takes, and whether it was forced (then it
+    /// must take them).
+    small: Option<&'static QDwSmallKernel>,
+    small_only: bool,
+    /// Its weights: per output channel, the taps in quads (`small_nq` of them).
+    small_quads: Vec<i32>,
+    small_nq: usize,
     /// OIHW weights (the generic kernel).
     weights: Vec<i8>,
     zu: u8,
 }
 
+/// The small-plane kernel's gather tables (see [`QDwSmallArgs`]).
+#[derive(Clone, Debug)]
+struct SmallTable {
+    idx: Vec<u8>,
+    masks: Vec<u64>,
+}
+
 #[derive(Clone, Debug)]
 pub(crate) struct QDwPlan {
+    /// The small-plane kernel and its tables, where it runs (then there are no padded planes).
+    small: Option<(&'static QDwSmallKernel, SmallTable)>,
     /// The flat mode's `vpermb` indices (see `codegen/src/qdw.rs`): for each column a vector
     /// of 16 consecutive outputs may start at, where each output's four bytes are relative to
     /// the first output's; empty where they do not fit one 64-byte load (row mode).
@@ -122,11 +193,14 @@ impl QDepthwise {
         }
     }
 
+    /// `kern`: the generated row kernel for the shape, if any; `small`: the small-plane
+    /// kernel where the CPU has it, and whether it was forced (then no other kernel runs).
     pub(crate) fn new(
         p: &ConvParams,
         weights: &[i8],
         zu: u8,
         kern: Option<&'static QDwKernel>,
+        small: Option<(&'static QDwSmallKernel, bool)>,
     ) -> Self {
         let (kh, kw) = (p.kernel[0], p.kernel[1]);
         let nq = kw.div_ceil(4);
@@ -147,39 +221,125 @@ impl QDepthwise {
                 }
             }
         }
+        // The small-plane kernel's quads: the taps in order, four a quad.
+        let taps = kh * kw;
+        let small_nq = taps.div_ceil(4);
+        let mut small_quads = Vec::new();
+        if small.is_some() {
+            for co in 0..p.out_channels {
+                let w = &weights[co * taps..(co + 1) * taps];
+                for q in 0..small_nq {
+                    let mut b = [0u8; 4];
+                    for (t, byte) in b.iter_mut().enumerate() {
+                        *byte = w.get(4 * q + t).map_or(0, |&x| x as u8);
+                    }
+                    small_quads.push(i32::from_le_bytes(b));
+                }
+            }
+        }
         QDepthwise {
-            kern,
+            kern: if small.is_some_and(|s| s.1) {
+                None
+            } else {
+                kern
+            },
             quads,
+            small: small.map(|s| s.0),
+            small_only: small.is_some_and(|s| s.1),
+            small_quads,
+            small_nq,
             weights: weights.to_vec(),
             zu,
         }
     }
 
-    pub(crate) fn kernel_name(&self) -> &'static str {
-        self.kern.map_or("qdw_u8i8_generic", |k| k.name)
+    /// Whether the small-plane kernel takes `g`: every plane in one register.
+    fn small_fits(g: &Geometry) -> bool {
+        g.h * g.w <= SMALL_PLANE && g.oh * g.ow <= SMALL_PLANE
     }
 
-    pub(crate) fn plan(&self, g: &Geometry, threads: usize) -> QDwPlan {
+    /// The small-plane kernel's tables for `g` (see [`QDwSmallArgs`]): for tap quad `q` and
+    /// output vector `v`, lane `j`'s byte `t` reads tap `4q + t` of output `16v + j`.
+    fn small_table(g: &Geometry) -> SmallTable {
+        let nq = (g.kh * g.kw).div_ceil(4);
+        let mut idx = vec![0u8; nq * 4 * 64];
+        let mut masks = vec![0u64; nq * 4];
+        for q in 0..nq {
+            for v in 0..4 {
+                for j in 0..16 {
+                    let o = 16 * v + j;
+                    for t in 0..4 {
+                        let tap = 4 * q + t;
+                        if o >= g.oh * g.ow || tap >= g.kh * g.kw {
+                            continue;
+                        }
+                        let (oy, ox, ky, kx) = (o / g.ow, o % g.ow, tap / g.kw, tap % g.kw);
+                        let iy = (oy * g.sh + ky * g.dh).wrapping_sub(g.pad_top);
+                        let ix = (ox * g.sw + kx * g.dw).wrapping_sub(g.pad_left);
+                        if iy < g.h && ix < g.w {
+                            let lane = 4 * j + t;
+                            idx[(4 * q + v) * 64 + lane] = (iy * g.w + ix) as u8;
+                            masks[4 * q + v] |= 1 << lane;
+                        }
+                    }
+                }
+            }
+        }
+        SmallTable { idx, masks }
+    }
+
+    /// The kernel a plan runs.
+    pub(crate) fn kernel_name(&self, plan: &QDwPlan) -> &'static str {
+        match (&plan.small, self.kern) {
+            (Some((k, _)), _) => k.name,
+            (None, Some(k)) => k.name,
+            (None, None) => "qdw_u8i8_generic",
+        }
+    }
+
+    pub(crate) fn plan(&self, g: &Geometry, threads: usize) -> Result<QDwPlan> {
+        if let Some(k) = self
+            .small
+            .filter(|_| self.small_only && !Self::small_fits(g))
+        {
+            return Err(Error::AlgorithmUnsupported {
+                algorithm: "int8 depthwise",
+                reason: format!(
+                    "{} takes planes of at most {SMALL_PLANE} inputs and outputs, not {}x{} -> \
+                     {}x{}",
+                    k.name, g.h, g.w, g.oh, g.ow
+                ),
+            });
+        }
+        let small = self
+            .small
+            .filter(|_| Self::small_fits(g))
+            .map(|k| (k, Self::small_table(g)));
         let hp = g.pad_top + g.h + g.pad_bottom;
         let wp = g.pad_left + g.w + g.pad_right;
         let nhwc = g.layout == Layout::Nhwc;
         let eb = 4; // the largest output element; planes of bytes are smaller
 
-        // Flat-mode vectors past the last output read up to two output rows further.
-        let plane = ((hp + 2 * g.sh + 2) * wp + SLACK).next_multiple_of(64);
+        // Flat-mode vectors past the last output read up to two output rows further. The
+        // small-plane kernel reads the planes in place.
+        let plane = match small {
+            Some(_) => 0,
+            None => ((hp + 2 * g.sh + 2) * wp + SLACK).next_multiple_of(64),
+        };
         // At least four items a thread, for balance.
-        let block = (BLOCK_BYTES / plane)
+        let block = (BLOCK_BYTES / plane.max(1))
             .min((g.batch * g.c_in).div_ceil(4 * threads.max(1)))
             .clamp(1, g.c_in);
         let table = match self.kern {
-            Some(_) => flat_table(g, wp),
-            None => Vec::new(),
-        };
-        let gathers = match self.kern {
-            Some(_) if plane <= GATHER_PLANE => gather_chunks(g, wp, plane),
+            Some(_) if small.is_none() => flat_table(g, wp),
             _ => Vec::new(),
         };
-        QDwPlan {
+        let gathers = match self.kern {
+            Some(_) if small.is_none() && plane <= GATHER_PLANE => gather_chunks(g, wp, plane),
+            _ => Vec::new(),
+        };
+        Ok(QDwPlan {
+            small,
             table,
             gathers,
             workers: threads.max(1).min(g.batch * g.c_in.div_ceil(block)).max(1),
@@ -196,7 +356,7 @@ impl QDepthwise {
             } else {
                 0
             },
-        }
+        })
     }
 
     /// Runs a planned convolution (see [`QGemm::run`](super::qgemm::QGemm::run) for the
@@ -245,84 +405,133 @@ impl QDepthwise {
         let planes: &mut [f32] = bytemuck::cast_slice_mut(planes);
         let mult = g.c_out / g.c_in;
         let blocks = g.c_in.div_ceil(plan.block);
-        for_each_worker(plan.workers, g.batch * blocks, planes, |scratch, item| {
-            let scratch: &mut [u8] = bytemuck::cast_slice_mut(scratch);
-            let (b, c0) = (item / blocks, item % blocks * plan.block);
-            let cs = plan.block.min(g.c_in - c0);
-            // Every plane of the block first: the kernels then read planes whose stores have
-            // long retired (a load over several just-issued stores waits for them).
-            for (i, plane) in scratch.chunks_exact_mut(plan.plane).take(cs).enumerate() {
-                let ci = c0 + i;
-                // The channel's image and whatever follows it (read, never used, by loads
-                // that run past its end).
-                let src = &x[(b * g.c_in + ci) * hw..];
-                match self.kern {
-                    // SAFETY: a generated kernel was chosen, so the CPU has AVX-512BW and VBMI
-                    // (checked at create); `src` holds the h x w image, and the plane (a
-                    // multiple of 64 bytes) holds the padded rows and every gather's chunk,
-                    // since `plan.plane` counts them.
-                    #[cfg(target_arch = "x86_64")]
-                    Some(_) if !plan.gathers.is_empty() => unsafe {
-                        gather_plane_avx512(src, &plan.gathers, plane, self.zu, flip)
-                    },
-                    // SAFETY: as above.
-                    #[cfg(target_arch = "x86_64")]
-                    Some(_) => unsafe { pad_plane_avx512(src, g, plan.wp, plane, self.zu, flip) },
-                    _ => pad_plane(src, g, plan.wp, plane, self.zu, flip),
-                }
-            }
-            for (i, plane) in scratch.chunks_exact(plan.plane).take(cs).enumerate() {
-                let ci = c0 + i;
-                for co in ci * mult..(ci + 1) * mult {
-                    let ep = QDwEpilogue {
-                        mode: out.mode,
-                        elem_bytes: eb,
-                        bias: out.bias[co],
-                        scale: out.scale[co],
-                        zero_point: out.zero_point,
-                        lo: out.lo,
-                        hi: out.hi,
-                    };
-                    // SAFETY: the output plane (b, co) is this item's alone, inside the output
-                    // (or its CHW copy), whose length was checked.
-                    let yplane = unsafe { (y.get() as *mut u8).add((b * g.c_out + co) * ohw * eb) };
+        if let Some((k, table)) = &plan.small {
+            for_each_worker(plan.workers, g.batch * blocks, &mut [], |_, item| {
+                let (b, c0) = (item / blocks, item % blocks * plan.block);
+                let (first, co) = ((b * g.c_in + c0) * hw, c0 * mult);
+                let a = QDwSmallArgs {
+                    x: x[first..].as_ptr(),
+                    x_len: x.len() - first,
+                    in_step: hw,
+                    planes: plan.block.min(g.c_in - c0),
+                    mult,
+                    idx: table.idx.as_ptr(),
+                    masks: table.masks.as_ptr(),
+                    nq: self.small_nq,
+                    w: self.small_quads[co * self.small_nq..].as_ptr(),
+                    bias: out.bias[co..].as_ptr(),
+                    scale: out.scale[co..].as_ptr(),
+                    // SAFETY: the block's output planes are this item's alone, inside the
+                    // output (or its CHW copy), whose length was checked.
+                    out: unsafe { (y.get() as *mut u8).add((b * g.c_out + co) * ohw * eb) },
+                    out_step: ohw * eb,
+                    ohw,
+                    mode: out.mode,
+                    zero_point: out.zero_point,
+                    lo: out.lo,
+                    hi: out.hi,
+                    zu: self.zu,
+                    flip,
+                };
+                // SAFETY: the small-plane kernel was chosen, so the CPU has AVX-512 VNNI and
+                // VBMI (checked at create); the block's planes are in `x` (the last one starts
+                // before its end), the tables are the plan's for this geometry, the weights,
+                // bias and scale cover the block's output channels, and every plane holds
+                // `ohw <= 64` outputs (`small_fits`).
+                unsafe { (k.func)(&a) };
+            });
+        } else {
+            for_each_worker(plan.workers, g.batch * blocks, planes, |scratch, item| {
+                let scratch: &mut [u8] = bytemuck::cast_slice_mut(scratch);
+                let (b, c0) = (item / blocks, item % blocks * plan.block);
+                let cs = plan.block.min(g.c_in - c0);
+                // Every plane of the block first: the kernels then read planes whose stores have
+                // long retired (a load over several just-issued stores waits for them).
+                for (i, plane) in scratch.chunks_exact_mut(plan.plane).take(cs).enumerate() {
+                    let ci = c0 + i;
+                    // The channel's image and whatever follows it (read, never used, by loads
+                    // that run past its end).
+                    let src = &x[(b * g.c_in + ci) * hw..];
                     match self.kern {
-                        Some(k) => {
-                            let w = self.quads[co * g.kh * g.kw.div_ceil(4)..].as_ptr();
-                            // SAFETY: the output rows read the plane's rows (oy*s + ky), all
-                            // inside the padded plane, which has SLACK bytes after its last row
-                            // for the 64-byte loads; the CPU has VNNI and VBMI (checked at
-                            // create); yplane holds oh*ow elements.
-                            let table = if plan.table.is_empty() {
-                                std::ptr::null()
-                            } else {
-                                plan.table.as_ptr()
-                            };
-                            unsafe {
-                                (k.func)(plane.as_ptr(), plan.wp, g.oh, g.ow, table, w, yplane, &ep)
-                            };
-                        }
-                        None => {
-                            let w = &self.weights[co * g.kh * g.kw..(co + 1) * g.kh * g.kw];
-                            for oy in 0..g.oh {
-                                // SAFETY: as above, row oy of the output plane.
+                        // SAFETY: a generated kernel was chosen, so the CPU has AVX-512BW and VBMI
+                        // (checked at create); `src` holds the h x w image, and the plane (a
+                        // multiple of 64 bytes) holds the padded rows and every gather's chunk,
+                        // since `plan.plane` counts them.
+                        #[cfg(target_arch = "x86_64")]
+                        Some(_) if !plan.gathers.is_empty() => unsafe {
+                            gather_plane_avx512(src, &plan.gathers, plane, self.zu, flip)
+                        },
+                        // SAFETY: as above.
+                        #[cfg(target_arch = "x86_64")]
+                        Some(_) => unsafe {
+                            pad_plane_avx512(src, g, plan.wp, plane, self.zu, flip)
+                        },
+                        _ => pad_plane(src, g, plan.wp, plane, self.zu, flip),
+                    }
+                }
+                for (i, plane) in scratch.chunks_exact(plan.plane).take(cs).enumerate() {
+                    let ci = c0 + i;
+                    for co in ci * mult..(ci + 1) * mult {
+                        let ep = QDwEpilogue {
+                            mode: out.mode,
+                            elem_bytes: eb,
+                            bias: out.bias[co],
+                            scale: out.scale[co],
+                            zero_point: out.zero_point,
+                            lo: out.lo,
+                            hi: out.hi,
+                        };
+                        // SAFETY: the output plane (b, co) is this item's alone, inside the output
+                        // (or its CHW copy), whose length was checked.
+                        let yplane =
+                            unsafe { (y.get() as *mut u8).add((b * g.c_out + co) * ohw * eb) };
+                        match self.kern {
+                            Some(k) => {
+                                let w = self.quads[co * g.kh * g.kw.div_ceil(4)..].as_ptr();
+                                // SAFETY: the output rows read the plane's rows (oy*s + ky), all
+                                // inside the padded plane, which has SLACK bytes after its last row
+                                // for the 64-byte loads; the CPU has VNNI and VBMI (checked at
+                                // create); yplane holds oh*ow elements.
+                                let table = if plan.table.is_empty() {
+                                    std::ptr::null()
+                                } else {
+                                    plan.table.as_ptr()
+                                };
                                 unsafe {
-                                    generic_row(
-                                        plane,
+                                    (k.func)(
+                                        plane.as_ptr(),
                                         plan.wp,
-                                        g,
-                                        oy,
+                                        g.oh,
+                                        g.ow,
+                                        table,
                                         w,
-                                        yplane.add(oy * g.ow * eb),
+                                        yplane,
                                         &ep,
                                     )
                                 };
                             }
+                            None => {
+                                let w = &self.weights[co * g.kh * g.kw..(co + 1) * g.kh * g.kw];
+                                for oy in 0..g.oh {
+                                    // SAFETY: as above, row oy of the output plane.
+                                    unsafe {
+                                        generic_row(
+                                            plane,
+                                            plan.wp,
+                                            g,
+                                            oy,
+                                            w,
+                                            yplane.add(oy * g.ow * eb),
+                                            &ep,
+                                        )
+                                    };
+                                }
+                            }
                         }
                     }
                 }
-            }
-        });
+            });
+        }
         if g.layout == Layout::Nhwc {
             for b in 0..g.batch {
                 let n = g.c_out * ohw * eb;

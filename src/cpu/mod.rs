@@ -105,22 +105,47 @@ pub(crate) fn qdw(isa: Isa) -> &'static [crate::algo::qdepthwise::QDwKernel] {
     }
 }
 
+/// The small-plane int8 depthwise kernel, where this CPU can run it at ISA level `isa`.
+#[cfg(feature = "int8")]
+pub(crate) fn qdw_small(isa: Isa) -> Option<&'static crate::algo::qdepthwise::QDwSmallKernel> {
+    generated_qdw::QDW_SMALL_KERNELS
+        .first()
+        .filter(|_| isa == Isa::Avx512 && has_vnni_vbmi())
+}
+
+/// An int8 depthwise kernel found by name: a row kernel of one shape, or the small-plane one.
+#[cfg(feature = "int8")]
+pub(crate) enum QDwByName {
+    Rows(&'static crate::algo::qdepthwise::QDwKernel),
+    Small(&'static crate::algo::qdepthwise::QDwSmallKernel),
+}
+
+#[cfg(feature = "int8")]
+impl QDwByName {
+    pub(crate) fn name(&self) -> &'static str {
+        match self {
+            QDwByName::Rows(k) => k.name,
+            QDwByName::Small(k) => k.name,
+        }
+    }
+}
+
 /// The int8 depthwise kernel named `name`, if there is one (None: not a depthwise name).
 #[cfg(feature = "int8")]
-pub(crate) fn qdw_by_name(
-    name: &str,
-) -> Result<Option<&'static crate::algo::qdepthwise::QDwKernel>> {
-    let Some(k) = generated_qdw::QDW_KERNELS
+pub(crate) fn qdw_by_name(name: &str) -> Result<Option<QDwByName>> {
+    let name = name.trim();
+    let rows = generated_qdw::QDW_KERNELS.iter().find(|k| k.name == name);
+    let small = generated_qdw::QDW_SMALL_KERNELS
         .iter()
-        .find(|k| k.name == name.trim())
-    else {
+        .find(|k| k.name == name);
+    let Some(k) = rows.map(QDwByName::Rows).or(small.map(QDwByName::Small)) else {
         return Ok(None);
     };
     if has_vnni_vbmi() {
         Ok(Some(k))
     } else {
         Err(Error::IsaUnavailable {
-            requested: k.name.into(),
+            requested: k.name().into(),
             available: "a CPU without AVX-512 VNNI and VBMI".into(),
         })
     }
@@ -400,9 +425,10 @@ pub struct KernelInfo {
     pub fixed: Option<(usize, usize)>,
     /// The kernel takes only 1-D convolutions (kernel height 1; `fixed` is then its width).
     pub conv1d: bool,
-    /// A flat-plane depthwise kernel: it takes stride 1 with an output as wide as the input
-    /// only ("same" padding, or explicit left and right padding adding up to the kernel's
-    /// reach), any kernel and dilation.
+    /// A flat-plane depthwise kernel: the f32 ones take stride 1 with an output as wide as
+    /// the input only ("same" padding, or explicit left and right padding adding up to the
+    /// kernel's reach), any kernel and dilation; the int8 one (`qdw_u8i8_plane64_*`) planes of
+    /// at most 64 inputs and outputs, any kernel, stride, dilation and padding.
     pub flat: bool,
     /// The type the kernel reads and writes tensors in: f32 for all but the 16-bit depthwise
     /// kernels (`dw_f16_*`, `dw_bf16_*`, run by [`Plan::run_storage`](crate::Plan::run_storage)).
@@ -473,9 +499,21 @@ pub fn registry() -> Vec<KernelInfo> {
         flat: false,
         storage: crate::StorageType::F32,
     });
+    // The small-plane kernel takes any kernel size and stride (`flat`: planes of at most 64).
+    #[cfg(feature = "int8")]
+    let qdw_small = generated_qdw::QDW_SMALL_KERNELS.iter().map(|k| KernelInfo {
+        name: k.name,
+        isa: Isa::Avx512,
+        family: Family::QDepthwise,
+        layout: None,
+        fixed: None,
+        conv1d: false,
+        flat: true,
+        storage: crate::StorageType::F32,
+    });
     let all = gemm.chain(dw).chain(direct).chain(wino);
     #[cfg(feature = "int8")]
-    let all = all.chain(q).chain(qdw);
+    let all = all.chain(q).chain(qdw).chain(qdw_small);
     all.collect()
 }
 
