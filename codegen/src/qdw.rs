@@ -258,29 +258,31 @@ fn emit(k: usize, s: usize) -> TokenStream {
     });
     // Flat mode: vector u is the next 16 outputs in plane order, across rows, gathered with
     // the table's indices for the column it starts at.
-    let flat_steps = (0..unroll(k)).map(|u| {
-        let (acc, oy, x, ok, base, idx) = names(u);
-        let sum = terms(&acc, &idx, &base);
-        quote! {
-            let (#oy, #x, #ok) = (oy, x, oy < oh);
-            let (#base, #idx) = if #ok {
-                (
-                    plane.add(#oy * #s_l * wp + #x * #s_l),
-                    _mm512_loadu_si512(table.add(#x * 64) as *const __m512i),
-                )
-            } else {
-                (plane, idx)
-            };
-            #sum
-            if #ok {
-                x += #lanes_l;
-                while x >= ow {
-                    x -= ow;
-                    oy += 1;
+    let flat_steps: Vec<_> = (0..unroll(k))
+        .map(|u| {
+            let (acc, oy, x, ok, base, idx) = names(u);
+            let sum = terms(&acc, &idx, &base);
+            quote! {
+                let (#oy, #x, #ok) = (oy, x, oy < oh);
+                let (#base, #idx) = if #ok {
+                    (
+                        plane.add(#oy * #s_l * wp + #x * #s_l),
+                        _mm512_loadu_si512(table.add(#x * 64) as *const __m512i),
+                    )
+                } else {
+                    (plane, idx)
+                };
+                #sum
+                if #ok {
+                    x += #lanes_l;
+                    while x >= ow {
+                        x -= ow;
+                        oy += 1;
+                    }
                 }
             }
-        }
-    });
+        })
+        .collect();
     let flat_stores = (0..unroll(k)).map(|u| {
         let (acc, oy, x, ok, _, _) = names(u);
         quote! {
@@ -300,66 +302,116 @@ fn emit(k: usize, s: usize) -> TokenStream {
         quote!(y.add(x)),
         quote!(ow - x),
     );
-    let packed_sums = (0..4).map(|r| {
-        let acc = format_ident!("p{}", r);
-        let t = (0..k).flat_map(|ky| {
-            (0..nq).map(move |q| {
-                let acc = format_ident!("p{}", r);
-                let wn = format_ident!("w{}_{}", ky, q);
-                let (ky, q4, off) = (lit(ky), lit(4 * q), lit(packed_offset(s, r)));
-                quote! {
-                    #acc = _mm512_dpbusd_epi32(#acc, _mm512_loadu_si512(b.add(#ky * wp + #off + #q4) as *const __m512i), #wn);
-                }
-            })
-        });
-        let q = requantize(&acc);
-        quote! {
-            let mut #acc = bias;
-            #(#t)*
-            let #acc = #q;
-        }
+    let raw_sums: Vec<_> = (0..4)
+        .map(|r| {
+            let acc = format_ident!("n{}", r);
+            let t = (0..k).flat_map(|ky| {
+                let acc = acc.clone();
+                (0..nq).map(move |q| {
+                    let wn = format_ident!("w{}_{}", ky, q);
+                    let (ky, q4, off) = (lit(ky), lit(4 * q), lit(packed_offset(s, r)));
+                    quote! {
+                        #acc = _mm512_dpbusd_epi32(#acc, _mm512_loadu_si512(b.add(#ky * wp + #off + #q4) as *const __m512i), #wn);
+                    }
+                })
+            });
+            quote! {
+                let mut #acc = bias;
+                #(#t)*
+            }
+        })
+        .collect();
+    let requant_c = (0..4usize).map(|r| {
+        let (c, p) = (format_ident!("c{}", r), format_ident!("p{}", r));
+        let q = requantize(&c);
+        quote!(let #p = #q;)
     });
-    let packed_rows = quote! {
-        for oy in 0..oh {
-            let row = plane.add(oy * #s_l * wp);
-            let y = out.add(oy * ow);
-            let mut x = 0usize;
-            while x < ow {
-                let b = row.add(x * #s_l);
-                #(#packed_sums)*
+    // 3x3: each step's sums are made one step ahead of its epilogue: a step's chain (loads,
+    // multiply-adds, requantisation, packing) is longer than the core's schedulers can
+    // overlap with the next step's, so its epilogue waits on nothing this way. (The larger
+    // kernels' steps have more multiply-adds to overlap the epilogue with, and measured
+    // slower so.)
+    let requant_n = (0..4usize).map(|r| {
+        let (n, p) = (format_ident!("n{}", r), format_ident!("p{}", r));
+        let q = requantize(&n);
+        quote!(let #p = #q;)
+    });
+    let packed_rows = if unroll(k) != 4 {
+        quote! {
+            for oy in 0..oh {
+                let row = plane.add(oy * #s_l * wp);
+                let y = out.add(oy * ow);
+                let mut x = 0usize;
+                while x < ow {
+                    let b = row.add(x * #s_l);
+                    #(#raw_sums)*
+                    #(#requant_n)*
+                    #packed_store
+                    x += 64;
+                }
+            }
+        }
+    } else {
+        quote! {
+            let (mut oy, mut x) = (0usize, 0usize);
+            let (mut ny, mut nx) = (0usize, 0usize);
+            let b = plane;
+            #(#raw_sums)*
+            let (mut c0, mut c1, mut c2, mut c3) = (n0, n1, n2, n3);
+            while oy < oh {
+                // The next step (the last one again at the end: its reads stay in the plane).
+                nx += 64;
+                if nx >= ow {
+                    nx = 0;
+                    ny += 1;
+                }
+                if ny == oh {
+                    (ny, nx) = (oy, x);
+                }
+                let b = plane.add(ny * #s_l * wp + nx * #s_l);
+                #(#raw_sums)*
+                let y = out.add(oy * ow);
+                #(#requant_c)*
                 #packed_store
+                (c0, c1, c2, c3) = (n0, n1, n2, n3);
                 x += 64;
+                if x >= ow {
+                    x = 0;
+                    oy += 1;
+                }
             }
         }
     };
     // Flat mode's four vectors are 64 consecutive outputs: with u8/i8 outputs, they are packed
-    // and stored as the packed row mode's are (3x3, the one size with four).
-    let flat_first = if unroll(k) == 4 {
-        quote!(let first = oy * ow + x;)
-    } else {
-        quote!()
-    };
-    let flat_tail = if unroll(k) == 4 {
+    // and stored as the packed row mode's are (3x3, the one size with four), each step's sums
+    // made one step ahead of its epilogue as there.
+    let q8_flat = unroll(k) == 4;
+    let flat_q8 = if q8_flat {
         let store = pack_store(
             |u, j| 16 * u + j,
             quote!(out.add(first)),
             quote!(oh * ow - first),
         );
         let requant = (0..4usize).map(|u| {
-            let (acc, p) = (format_ident!("acc{}", u), format_ident!("p{}", u));
-            let q = requantize(&acc);
+            let (c, p) = (format_ident!("c{}", u), format_ident!("p{}", u));
+            let q = requantize(&c);
             quote!(let #p = #q;)
         });
         quote! {
-            if matches!(ep.mode, QMode::Q8) {
+            let mut first = 0usize;
+            #(#flat_steps)*
+            let (mut c0, mut c1, mut c2, mut c3) = (acc0, acc1, acc2, acc3);
+            while first < oh * ow {
+                // The next step (past the last output: plane reads, stored nowhere).
+                #(#flat_steps)*
                 #(#requant)*
                 #store
-            } else {
-                #(#flat_stores)*
+                (c0, c1, c2, c3) = (acc0, acc1, acc2, acc3);
+                first += 64;
             }
         }
     } else {
-        quote!(#(#flat_stores)*)
+        quote!(unreachable!("the packed flat mode has four vectors a step"))
     };
     quote! {
         #[doc = #doc]
@@ -401,11 +453,12 @@ fn emit(k: usize, s: usize) -> TokenStream {
                     #(#row_steps)*
                     #(#row_stores)*
                 }
+            } else if #q8_flat && matches!(ep.mode, QMode::Q8) {
+                #flat_q8
             } else {
                 while oy < oh {
-                    #flat_first
                     #(#flat_steps)*
-                    #flat_tail
+                    #(#flat_stores)*
                 }
             }
         }
