@@ -190,6 +190,31 @@ pub(crate) fn for_each_worker(
     scratch: &mut [f32],
     item: impl Fn(&mut [f32], usize) + Sync,
 ) {
+    workers_run(workers, items, scratch, false, item)
+}
+
+/// As [`for_each_worker`], but each worker claims the next item not yet taken when it is done
+/// with one, instead of a fixed range: for independent items of about the same cost, where a
+/// worker slowed down (another process on its core) should not hold up the run. Items a worker
+/// runs are then not contiguous, so not for items that share data in cache with their
+/// neighbours.
+#[cfg(feature = "int8")]
+pub(crate) fn for_each_item_claimed(
+    workers: usize,
+    items: usize,
+    scratch: &mut [f32],
+    item: impl Fn(&mut [f32], usize) + Sync,
+) {
+    workers_run(workers, items, scratch, true, item)
+}
+
+fn workers_run(
+    workers: usize,
+    items: usize,
+    scratch: &mut [f32],
+    claim: bool,
+    item: impl Fn(&mut [f32], usize) + Sync,
+) {
     let workers = workers.max(1);
     let range = |w: usize| w * items / workers..(w + 1) * items / workers;
     let share = scratch.len() / workers;
@@ -200,21 +225,37 @@ pub(crate) fn for_each_worker(
     #[cfg(feature = "threads")]
     {
         use rayon::prelude::*;
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let next = AtomicUsize::new(0);
+        let run = |w: usize, s: &mut [f32]| {
+            if claim {
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    if i >= items {
+                        break;
+                    }
+                    item(s, i);
+                }
+            } else {
+                range(w).for_each(|i| item(s, i))
+            }
+        };
         if share == 0 {
             (0..workers)
                 .into_par_iter()
                 .with_max_len(1)
-                .for_each(|w| range(w).for_each(|i| item(&mut [], i)));
+                .for_each(|w| run(w, &mut []));
         } else {
             scratch[..share * workers]
                 .par_chunks_mut(share)
                 .with_max_len(1)
                 .enumerate()
-                .for_each(|(w, s)| range(w).for_each(|i| item(s, i)));
+                .for_each(|(w, s)| run(w, s));
         }
     }
     #[cfg(not(feature = "threads"))]
     {
+        let _ = claim; // one thread: the order does not matter
         if share == 0 {
             (0..workers).for_each(|w| range(w).for_each(|i| item(&mut [], i)));
         } else {

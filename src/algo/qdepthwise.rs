@@ -13,7 +13,7 @@
 //! GEMM path.
 
 use super::qgemm::{requantize, transpose_block, QMode, QOut};
-use super::{for_each_worker, SendPtr};
+use super::{for_each_item_claimed, SendPtr};
 use crate::cpu::Isa;
 use crate::params::Geometry;
 use crate::{Activation, ConvParams, Error, Layout, Result};
@@ -406,7 +406,7 @@ impl QDepthwise {
         let mult = g.c_out / g.c_in;
         let blocks = g.c_in.div_ceil(plan.block);
         if let Some((k, table)) = &plan.small {
-            for_each_worker(plan.workers, g.batch * blocks, &mut [], |_, item| {
+            for_each_item_claimed(plan.workers, g.batch * blocks, &mut [], |_, item| {
                 let (b, c0) = (item / blocks, item % blocks * plan.block);
                 let (first, co) = ((b * g.c_in + c0) * hw, c0 * mult);
                 let a = QDwSmallArgs {
@@ -441,7 +441,7 @@ impl QDepthwise {
                 unsafe { (k.func)(&a) };
             });
         } else {
-            for_each_worker(plan.workers, g.batch * blocks, planes, |scratch, item| {
+            for_each_item_claimed(plan.workers, g.batch * blocks, planes, |scratch, item| {
                 let scratch: &mut [u8] = bytemuck::cast_slice_mut(scratch);
                 let (b, c0) = (item / blocks, item % blocks * plan.block);
                 let cs = plan.block.min(g.c_in - c0);
