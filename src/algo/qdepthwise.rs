@@ -596,7 +596,18 @@ unsafe fn pad_plane_avx512(
     let z = _mm512_set1_epi8(zu as i8);
     let f = _mm512_set1_epi8(flip as i8);
     let p = plane.as_mut_ptr();
-    for at in (0..plane.len()).step_by(64) {
+    // A row's stores (whole vectors) run past its image bytes; where they reach the next
+    // row's first image byte, they store all of the padding between rows, and only the
+    // padding before the first row and after the last needs filling first.
+    let span = g.w.next_multiple_of(64);
+    let first = g.pad_top * wp + g.pad_left;
+    let end = (g.pad_top + g.h - 1) * wp + g.pad_left + span;
+    let (head, tail) = if g.h > 0 && span - g.w >= wp - g.w && end + 64 <= plane.len() {
+        (first, end)
+    } else {
+        (plane.len(), plane.len())
+    };
+    for at in (0..head).step_by(64) {
         _mm512_storeu_si512(p.add(at) as *mut __m512i, z);
     }
     // Zero points where a row's last load ends, flipped twice.
@@ -622,6 +633,12 @@ unsafe fn pad_plane_avx512(
             // its end are the padding there, or bytes the next row's stores write again.
             _mm512_storeu_si512(d.add(x) as *mut __m512i, v);
         }
+    }
+    for at in (tail..plane.len() - 64).step_by(64) {
+        _mm512_storeu_si512(p.add(at) as *mut __m512i, z);
+    }
+    if tail < plane.len() {
+        _mm512_storeu_si512(p.add(plane.len() - 64) as *mut __m512i, z);
     }
 }
 
