@@ -202,21 +202,35 @@ fn emit(k: usize, s: usize) -> TokenStream {
         })
     });
     // The sum of one vector over every tap: `base` its first output's input, `idx` its gather.
+    // Two vectors a step leave the multiply-adds' latency exposed where a vector has 10 or
+    // 14 of them (5x5, 7x7): there the kernel rows alternate between two sums, added at the
+    // end.
+    let chains = if unroll(k) == 4 { 1 } else { 2 };
     let terms = |acc: &proc_macro2::Ident, idx: &proc_macro2::Ident, base: &proc_macro2::Ident| {
+        let odd = format_ident!("{}_odd", acc);
         let t = (0..k).flat_map(|ky| {
+            let sum = if ky % chains == 1 { odd.clone() } else { acc.clone() };
             (0..nq).map(move |q| {
                 let wn = format_ident!("w{}_{}", ky, q);
                 let off = lit(4 * q);
                 let ky = lit(ky);
                 quote! {
                     let v = _mm512_permutexvar_epi8(#idx, _mm512_loadu_si512(#base.add(#ky * wp + #off) as *const __m512i));
-                    #acc = _mm512_dpbusd_epi32(#acc, v, #wn);
+                    #sum = _mm512_dpbusd_epi32(#sum, v, #wn);
                 }
             })
         });
-        quote! {
-            let mut #acc = bias;
-            #(#t)*
+        if chains == 1 {
+            quote! {
+                let mut #acc = bias;
+                #(#t)*
+            }
+        } else {
+            quote! {
+                let (mut #acc, mut #odd) = (bias, _mm512_setzero_si512());
+                #(#t)*
+                let #acc = _mm512_add_epi32(#acc, #odd);
+            }
         }
     };
     let names = |u: usize| {
