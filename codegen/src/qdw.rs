@@ -7,6 +7,9 @@
 //! and adds them to the output's i32 sum: a 3x3 kernel is 3 multiply instructions for 16
 //! outputs, a 7x7 one 14. Exact, as the GEMM kernels (no 16-bit intermediate). The
 //! epilogue is the GEMM kernels' one: bias, then i32, f32 or requantised u8/i8.
+//!
+//! Beside them, one small-plane kernel (`emit_small`) for planes of at most 64 bytes, any
+//! kernel size, stride and dilation: the whole plane in one register, no padded copy.
 
 use crate::lit;
 use proc_macro2::TokenStream;

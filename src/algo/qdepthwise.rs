@@ -406,40 +406,7 @@ impl QDepthwise {
         let mult = g.c_out / g.c_in;
         let blocks = g.c_in.div_ceil(plan.block);
         if let Some((k, table)) = &plan.small {
-            for_each_item_claimed(plan.workers, g.batch * blocks, &mut [], |_, item| {
-                let (b, c0) = (item / blocks, item % blocks * plan.block);
-                let (first, co) = ((b * g.c_in + c0) * hw, c0 * mult);
-                let a = QDwSmallArgs {
-                    x: x[first..].as_ptr(),
-                    x_len: x.len() - first,
-                    in_step: hw,
-                    planes: plan.block.min(g.c_in - c0),
-                    mult,
-                    idx: table.idx.as_ptr(),
-                    masks: table.masks.as_ptr(),
-                    nq: self.small_nq,
-                    w: self.small_quads[co * self.small_nq..].as_ptr(),
-                    bias: out.bias[co..].as_ptr(),
-                    scale: out.scale[co..].as_ptr(),
-                    // SAFETY: the block's output planes are this item's alone, inside the
-                    // output (or its CHW copy), whose length was checked.
-                    out: unsafe { (y.get() as *mut u8).add((b * g.c_out + co) * ohw * eb) },
-                    out_step: ohw * eb,
-                    ohw,
-                    mode: out.mode,
-                    zero_point: out.zero_point,
-                    lo: out.lo,
-                    hi: out.hi,
-                    zu: self.zu,
-                    flip,
-                };
-                // SAFETY: the small-plane kernel was chosen, so the CPU has AVX-512 VNNI and
-                // VBMI (checked at create); the block's planes are in `x` (the last one starts
-                // before its end), the tables are the plan's for this geometry, the weights,
-                // bias and scale cover the block's output channels, and every plane holds
-                // `ohw <= 64` outputs (`small_fits`).
-                unsafe { (k.func)(&a) };
-            });
+            self.run_small(plan, k, table, g, out, x, flip, y);
         } else {
             for_each_item_claimed(plan.workers, g.batch * blocks, planes, |scratch, item| {
                 let scratch: &mut [u8] = bytemuck::cast_slice_mut(scratch);
@@ -557,6 +524,58 @@ impl QDepthwise {
                 *v = out.activation.apply(*v + residual.map_or(0.0, |r| r[i]));
             }
         }
+    }
+
+    /// The small-plane kernel's run: blocks of channels, each plane read in place.
+    #[allow(clippy::too_many_arguments)]
+    fn run_small(
+        &self,
+        plan: &QDwPlan,
+        k: &QDwSmallKernel,
+        table: &SmallTable,
+        g: &Geometry,
+        out: &QOut,
+        x: &[u8],
+        flip: u8,
+        y: SendPtr,
+    ) {
+        let (hw, ohw, eb) = (g.h * g.w, g.oh * g.ow, out.elem_bytes());
+        let mult = g.c_out / g.c_in;
+        let blocks = g.c_in.div_ceil(plan.block);
+        for_each_item_claimed(plan.workers, g.batch * blocks, &mut [], |_, item| {
+            let (b, c0) = (item / blocks, item % blocks * plan.block);
+            let (first, co) = ((b * g.c_in + c0) * hw, c0 * mult);
+            let a = QDwSmallArgs {
+                x: x[first..].as_ptr(),
+                x_len: x.len() - first,
+                in_step: hw,
+                planes: plan.block.min(g.c_in - c0),
+                mult,
+                idx: table.idx.as_ptr(),
+                masks: table.masks.as_ptr(),
+                nq: self.small_nq,
+                w: self.small_quads[co * self.small_nq..].as_ptr(),
+                bias: out.bias[co..].as_ptr(),
+                scale: out.scale[co..].as_ptr(),
+                // SAFETY: the block's output planes are this item's alone, inside the
+                // output (or its CHW copy), whose length was checked.
+                out: unsafe { (y.get() as *mut u8).add((b * g.c_out + co) * ohw * eb) },
+                out_step: ohw * eb,
+                ohw,
+                mode: out.mode,
+                zero_point: out.zero_point,
+                lo: out.lo,
+                hi: out.hi,
+                zu: self.zu,
+                flip,
+            };
+            // SAFETY: the small-plane kernel was chosen, so the CPU has AVX-512 VNNI and
+            // VBMI (checked at create); the block's planes are in `x` (the last one starts
+            // before its end), the tables are the plan's for this geometry, the weights,
+            // bias and scale cover the block's output channels, and every plane holds
+            // `ohw <= 64` outputs (`small_fits`).
+            unsafe { (k.func)(&a) };
+        });
     }
 }
 
