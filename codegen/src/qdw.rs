@@ -402,8 +402,7 @@ fn emit(k: usize, s: usize) -> TokenStream {
     // Flat mode's four vectors are 64 consecutive outputs: with u8/i8 outputs, they are packed
     // and stored as the packed row mode's are (3x3, the one size with four), each step's sums
     // made one step ahead of its epilogue as there.
-    let q8_flat = unroll(k) == 4;
-    let flat_q8 = if q8_flat {
+    let flat_q8 = if unroll(k) == 4 {
         let store = pack_store(
             |u, j| 16 * u + j,
             quote!(out.add(first)),
@@ -415,6 +414,7 @@ fn emit(k: usize, s: usize) -> TokenStream {
             quote!(let #p = #q;)
         });
         quote! {
+            else if matches!(ep.mode, QMode::Q8) {
             let mut first = 0usize;
             #(#flat_steps)*
             let (mut c0, mut c1, mut c2, mut c3) = (acc0, acc1, acc2, acc3);
@@ -426,9 +426,10 @@ fn emit(k: usize, s: usize) -> TokenStream {
                 (c0, c1, c2, c3) = (acc0, acc1, acc2, acc3);
                 first += 64;
             }
+            }
         }
     } else {
-        quote!(unreachable!("the packed flat mode has four vectors a step"))
+        quote!()
     };
     quote! {
         #[doc = #doc]
@@ -470,9 +471,7 @@ fn emit(k: usize, s: usize) -> TokenStream {
                     #(#row_steps)*
                     #(#row_stores)*
                 }
-            } else if #q8_flat && matches!(ep.mode, QMode::Q8) {
-                #flat_q8
-            } else {
+            } #flat_q8 else {
                 while oy < oh {
                     #(#flat_steps)*
                     #(#flat_stores)*

@@ -203,40 +203,18 @@ impl QDepthwise {
         small: Option<(&'static QDwSmallKernel, bool)>,
     ) -> Self {
         let (kh, kw) = (p.kernel[0], p.kernel[1]);
-        let nq = kw.div_ceil(4);
-        let mut quads = Vec::new();
-        if kern.is_some() {
-            for co in 0..p.out_channels {
-                for ky in 0..kh {
-                    for q in 0..nq {
-                        let mut b = [0u8; 4];
-                        for (t, byte) in b.iter_mut().enumerate() {
-                            let kx = 4 * q + t;
-                            if kx < kw {
-                                *byte = weights[(co * kh + ky) * kw + kx] as u8;
-                            }
-                        }
-                        quads.push(i32::from_le_bytes(b));
-                    }
-                }
-            }
-        }
-        // The small-plane kernel's quads: the taps in order, four a quad.
+        // The row kernels read each kernel row's taps in quads; the small-plane kernel the
+        // whole kernel's, as one row.
         let taps = kh * kw;
+        let quads = match kern {
+            Some(_) => tap_quads(weights, kw),
+            None => Vec::new(),
+        };
         let small_nq = taps.div_ceil(4);
-        let mut small_quads = Vec::new();
-        if small.is_some() {
-            for co in 0..p.out_channels {
-                let w = &weights[co * taps..(co + 1) * taps];
-                for q in 0..small_nq {
-                    let mut b = [0u8; 4];
-                    for (t, byte) in b.iter_mut().enumerate() {
-                        *byte = w.get(4 * q + t).map_or(0, |&x| x as u8);
-                    }
-                    small_quads.push(i32::from_le_bytes(b));
-                }
-            }
-        }
+        let small_quads = match small {
+            Some(_) => tap_quads(weights, taps),
+            None => Vec::new(),
+        };
         QDepthwise {
             kern: if small.is_some_and(|s| s.1) {
                 None
@@ -579,6 +557,23 @@ impl QDepthwise {
     }
 }
 
+/// The weights (OIHW, one input channel) as i32 quads of i8 taps: each run of `row` taps
+/// (a kernel row, or the whole kernel) in `⌈row / 4⌉` quads, the last one zero-padded.
+fn tap_quads(weights: &[i8], row: usize) -> Vec<i32> {
+    weights
+        .chunks_exact(row)
+        .flat_map(|r| {
+            r.chunks(4).map(|q| {
+                let mut b = [0u8; 4];
+                for (byte, &w) in b.iter_mut().zip(q) {
+                    *byte = w as u8;
+                }
+                i32::from_le_bytes(b)
+            })
+        })
+        .collect()
+}
+
 /// Copies the `h x w` image `src` into `plane` with rows `wp` bytes apart, `pad_top` rows and
 /// `pad_left` columns of the zero point `zu` before it and zero points everywhere else, each
 /// byte xor `flip` (the i8 -> u8 shift).
@@ -620,7 +615,7 @@ unsafe fn pad_plane_avx512(
     // padding before the first row and after the last needs filling first.
     let span = g.w.next_multiple_of(64);
     let first = g.pad_top * wp + g.pad_left;
-    let end = (g.pad_top + g.h - 1) * wp + g.pad_left + span;
+    let end = (g.pad_top + g.h).saturating_sub(1) * wp + g.pad_left + span;
     let (head, tail) = if g.h > 0 && span - g.w >= wp - g.w && end + 64 <= plane.len() {
         (first, end)
     } else {
