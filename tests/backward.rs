@@ -226,6 +226,8 @@ fn backward_on_layer_shapes() {
         // Depthwise weight gradients over images large enough for several bands of rows.
         (16, 16, 3, 1, 1, 16, 50),
         (24, 24, 3, 2, 1, 24, 75),
+        // The 3x3 stride-2 depthwise backward-data path: an even height and an odd width.
+        (16, 16, 3, 2, 1, 16, 10),
         (64, 64, 3, 1, 1, 8, 10),
         (3, 16, 7, 2, 3, 1, 23),
         // NCHW 3x3 stride-1 depthwise weight gradients on wide images: the plane path's
@@ -271,6 +273,26 @@ fn backward_on_layer_shapes() {
         bias: true,
         residual: false,
         seed: 98,
+    };
+    check_backward(&case).unwrap();
+    // The 3x3 stride-2 depthwise backward-data path with bottom and right padding beyond the
+    // kernel's reach (more output-gradient columns than it reads).
+    let case = Case {
+        params: ConvParams::conv2d(8, 8, [3, 3])
+            .with_stride([2, 2])
+            .with_padding(Padding::Explicit {
+                top: 1,
+                bottom: 5,
+                left: 1,
+                right: 6,
+            })
+            .with_groups(8),
+        batch: 2,
+        h: 9,
+        w: 20,
+        bias: true,
+        residual: true,
+        seed: 97,
     };
     check_backward(&case).unwrap();
     // A 1-D 3-tap layer long enough for Winograd weight gradients.

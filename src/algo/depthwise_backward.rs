@@ -109,6 +109,8 @@ pub(crate) struct DwBackwardPlan {
     blocked: bool,
     /// NCHW backward weights through [`RowsPass`]es (see [`rows_pass`]).
     rows_pass: bool,
+    /// NCHW backward data by [`data_nchw_k3s2`].
+    k3s2: bool,
 }
 
 /// Tap column `kx` of an NCHW input row: column `x = phase + s·j` takes output column
@@ -167,7 +169,11 @@ impl DwBackward {
     }
 
     pub(crate) fn plan(&self, g: &Geometry, threads: usize) -> DwBackwardPlan {
-        let (data_items, mut weight_items, data_scratch, mut weight_scratch) = match self.layout {
+        let k3s2 = self.layout == Layout::Nchw
+            && (g.kh, g.kw, g.sh, g.sw, g.dh, g.dw) == (3, 3, 2, 2, 1, 1)
+            && (g.pad_top, g.pad_left, g.cout_g()) == (1, 1, 1);
+        let (data_items, mut weight_items, mut data_scratch, mut weight_scratch) = match self.layout
+        {
             Layout::Nchw => (
                 g.batch * g.c_in,
                 g.c_out,
@@ -183,6 +189,9 @@ impl DwBackward {
                 g.kh * g.kw * NHWC_CHANNELS,
             ),
         };
+        if k3s2 {
+            data_scratch = 6 * k3s2_half(g) + 2;
+        }
         let blocked_scratch = blocked_floats(g);
         let blocked = g.cin_g() == 1
             && g.cout_g() == 1
@@ -239,6 +248,7 @@ impl DwBackward {
             wtaps,
             blocked,
             rows_pass: rows_pass(g, self.isa),
+            k3s2,
         }
     }
 
@@ -366,6 +376,98 @@ fn phase_len(g: &Geometry) -> usize {
     (padded_ow(g) + (g.kw - 1) * g.dw / g.sw + 1).next_multiple_of(LANES)
 }
 
+/// Backward data of the common 3x3 stride-2 depthwise layer (padding 1 at the top and left,
+/// one output a channel), two input rows at a time. With `A`, `B` the output-gradient rows
+/// `i`, `i + 1` and `w` the taps row-major, input row `2i` is `w₄·A[j]` (even columns) and
+/// `w₃·A[j+1] + w₅·A[j]` (odd), row `2i + 1` is `w₁·B[j] + w₇·A[j]` and
+/// `w₀·B[j+1] + w₂·B[j] + w₆·A[j+1] + w₈·A[j]`: 9 multiply-adds for 4 inputs, every read a
+/// whole vector of a zero-padded copy of the row (the general path spends most of its time
+/// on loop control for the two or four taps a row phase has).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn data_nchw_k3s2<const F: bool>(
+    g: &Geometry,
+    weights: &[f32],
+    dy: &[f32],
+    dx: &mut [f32],
+    accumulate: bool,
+    ep: &Epilogue,
+    scratch: &mut [f32],
+    item: usize,
+) {
+    let (n, c) = (item / g.c_in, item % g.c_in);
+    let half = k3s2_half(g);
+    let (phases, rows) = scratch.split_at_mut(4 * half);
+    let (e0, rest) = phases.split_at_mut(half);
+    let (o0, rest) = rest.split_at_mut(half);
+    let (e1, o1) = rest.split_at_mut(half);
+    let (mut a, mut b) = rows[..2 * (half + 1)].split_at_mut(half + 1);
+    let w = &weights[c * 9..][..9];
+    let plane = &dy[(n * g.c_out + c) * g.oh * g.ow..][..g.oh * g.ow];
+    let load = |dst: &mut [f32], i: usize| {
+        dst.fill(0.0);
+        if i < g.oh {
+            let cols = g.ow.min(dst.len());
+            dst[..cols].copy_from_slice(&plane[i * g.ow..][..cols]);
+        }
+    };
+    load(b, 0);
+    for i in 0..g.h.div_ceil(2) {
+        std::mem::swap(&mut a, &mut b);
+        load(b, i + 1);
+        for j in 0..half {
+            let (a0, a1, b0, b1) = (a[j], a[j + 1], b[j], b[j + 1]);
+            e0[j] = a0 * w[4];
+            o0[j] = madd::<F>(a1, w[3], a0 * w[5]);
+            e1[j] = madd::<F>(b0, w[1], a0 * w[7]);
+            o1[j] = madd::<F>(
+                b1,
+                w[0],
+                madd::<F>(b0, w[2], madd::<F>(a1, w[6], a0 * w[8])),
+            );
+        }
+        for (y, even, odd) in [(2 * i, &*e0, &*o0), (2 * i + 1, &*e1, &*o1)] {
+            if y >= g.h {
+                break;
+            }
+            let start = ((n * g.c_in + c) * g.h + y) * g.w;
+            let row = &mut dx[start..][..g.w];
+            interleave2(row, even, odd, accumulate);
+            if !ep.is_empty() {
+                ep.apply(row, c, start);
+            }
+        }
+    }
+}
+
+/// Output-gradient columns [`data_nchw_k3s2`] makes a row: half the input row, rounded up to
+/// whole vectors.
+fn k3s2_half(g: &Geometry) -> usize {
+    g.w.div_ceil(2).next_multiple_of(LANES)
+}
+
+/// `row (+)= even and odd interleaved`: a pattern the compiler vectorises with shuffles.
+#[inline(always)]
+fn interleave2(row: &mut [f32], even: &[f32], odd: &[f32], accumulate: bool) {
+    let last_even = row.len() / 2;
+    let mut pairs = row.chunks_exact_mut(2);
+    let both = (&mut pairs).zip(even.iter().zip(odd));
+    match accumulate {
+        true => both.for_each(|(pair, (&a, &b))| {
+            pair[0] += a;
+            pair[1] += b;
+        }),
+        false => both.for_each(|(pair, (&a, &b))| {
+            pair[0] = a;
+            pair[1] = b;
+        }),
+    }
+    if let [last] = pairs.into_remainder() {
+        let v = even[last_even];
+        *last = if accumulate { *last + v } else { v };
+    }
+}
+
 /// One input channel of one image (NCHW): every row, gathered a stride phase at a time.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
@@ -380,6 +482,9 @@ fn data_nchw<const F: bool>(
     phases: &mut [f32],
     item: usize,
 ) {
+    if plan.k3s2 {
+        return data_nchw_k3s2::<F>(g, weights, dy, dx, accumulate, ep, phases, item);
+    }
     let (n, c) = (item / g.c_in, item % g.c_in);
     let (m, taps, s) = (g.cout_g(), g.kh * g.kw, g.sw);
     let per_phase = g.w.div_ceil(s);
@@ -413,17 +518,9 @@ fn data_nchw<const F: bool>(
                 true => row.iter_mut().zip(&*phases).for_each(|(d, &v)| *d += v),
                 false => row.copy_from_slice(phases),
             }
-        } else if s == 2 && !accumulate {
-            // Interleave the two phases: a pattern the compiler vectorises with shuffles.
+        } else if s == 2 {
             let (even, odd) = phases.split_at(per_phase);
-            let mut pairs = row.chunks_exact_mut(2);
-            for (pair, (&a, &b)) in (&mut pairs).zip(even.iter().zip(odd)) {
-                pair[0] = a;
-                pair[1] = b;
-            }
-            if let [last] = pairs.into_remainder() {
-                *last = even[per_phase - 1];
-            }
+            interleave2(row, even, odd, accumulate);
         } else {
             for (j, chunk) in row.chunks_mut(s).enumerate() {
                 for (r, d) in chunk.iter_mut().enumerate() {
