@@ -971,11 +971,12 @@ fn band_rows(g: &Geometry) -> usize {
 }
 
 /// Scratch floats of one blocked item: the padded input block and the output-gradient block
-/// of a band, and the tap sums.
+/// of a band, the tap sums, and (NCHW) the band's input rows as pixels before padding.
 fn blocked_floats(g: &Geometry) -> usize {
     let rows = band_rows(g);
     let (hp, wp) = blocked_extent(g, rows);
-    (hp * wp + rows * g.ow + g.kh * g.kw) * BLOCK
+    let stage = if g.layout == Layout::Nchw { hp * g.w } else { 0 };
+    (hp * wp + rows * g.ow + g.kh * g.kw + stage) * BLOCK
 }
 
 /// `BLOCK` depthwise channels' weight gradients (multiplier 1, either layout): per image, the
@@ -1008,7 +1009,7 @@ fn weights_blocked<const F: bool>(
     let cc = BLOCK.min(g.c_out - c0);
     let (xb, rest) = scratch.split_at_mut(hp * wp * BLOCK);
     let (db, rest) = rest.split_at_mut(band * g.ow * BLOCK);
-    let sums = &mut rest[..taps * BLOCK];
+    let (sums, rest) = rest.split_at_mut(taps * BLOCK);
     sums.fill(0.0);
     let bands = g.oh.div_ceil(band);
     for i in 0..g.batch * bands {
@@ -1017,7 +1018,7 @@ fn weights_blocked<const F: bool>(
         let (hp, _) = blocked_extent(g, rows);
         let xb = &mut xb[..hp * wp * BLOCK];
         let db = &mut db[..rows * g.ow * BLOCK];
-        fill_input_block(t, g, x, n, c0, cc, oy0 * g.sh, (hp, wp), xb);
+        fill_input_block(t, g, x, n, c0, cc, oy0 * g.sh, (hp, wp), xb, rest);
         fill_grad_block(t, g, dy, n, c0, cc, oy0 * g.ow, db);
         if bias.is_some() {
             let mut lanes = [0.0f32; BLOCK];
@@ -1242,7 +1243,10 @@ const ROW_PIXELS: usize = 4;
 
 /// Channels `c0..c0 + cc` of image `n`'s input as zero-padded 16-channel pixels (`hp x wp`,
 /// from padded row `pr0`: pixel (iy, ix) at (iy + pad_top - pr0, ix + pad_left), positions
-/// no tap reads left out).
+/// no tap reads left out). NCHW: the band's input rows, contiguous in each plane, go through
+/// the transposes as one run into `stage` (`hp·w` pixels), then row by row into place; a row
+/// at a time, rows narrower than the transpose's 8 pixels (7x7 images) went element by
+/// element.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn fill_input_block(
@@ -1255,6 +1259,7 @@ fn fill_input_block(
     pr0: usize,
     (hp, wp): (usize, usize),
     xb: &mut [f32],
+    stage: &mut [f32],
 ) {
     // Zeroes only what the copies leave: padding rows and columns, and the lanes of
     // channels past `cc` (a whole pass over the block cost 7% of dw3x3_112's weight gradient).
@@ -1262,6 +1267,20 @@ fn fill_input_block(
         xb.fill(0.0);
     }
     let cols = g.w.min(wp.saturating_sub(g.pad_left));
+    // Input rows `iy0..iy1` land on block rows from `iy0 + pad_top - pr0`.
+    let iy0 = pr0.saturating_sub(g.pad_top).min(g.h);
+    let iy1 = (pr0 + hp).saturating_sub(g.pad_top).clamp(iy0, g.h);
+    if g.layout == Layout::Nchw && iy1 > iy0 {
+        let (plane, len) = (g.h * g.w, (iy1 - iy0) * g.w);
+        let stage = &mut stage[..len * BLOCK];
+        if cc < BLOCK {
+            stage.fill(0.0);
+        }
+        let first = |c: usize| (n * g.c_in + c0 + c) * plane + iy0 * g.w;
+        to_block(t, cc, len, plane, stage, |c| &x[first(c)..], |c, p| {
+            x[first(c) + p]
+        });
+    }
     for r in 0..hp {
         let iy = (pr0 + r) as isize - g.pad_top as isize;
         let row = &mut xb[r * wp * BLOCK..][..wp * BLOCK];
@@ -1273,25 +1292,16 @@ fn fill_input_block(
         row[..left * BLOCK].fill(0.0);
         row[(left + cols).min(wp) * BLOCK..].fill(0.0);
         let (iy, dst_row) = (iy as usize, r * wp + g.pad_left);
+        let dst = &mut xb[dst_row * BLOCK..][..cols * BLOCK];
         match g.layout {
             Layout::Nhwc => {
-                for ix in 0..cols {
+                for (ix, d) in dst.chunks_exact_mut(BLOCK).enumerate() {
                     let src = &x[((n * g.h + iy) * g.w + ix) * g.c_in + c0..][..cc];
-                    xb[(dst_row + ix) * BLOCK..][..cc].copy_from_slice(src);
+                    d[..cc].copy_from_slice(src);
                 }
             }
             Layout::Nchw => {
-                let plane = g.h * g.w;
-                let src = |c: usize, ix: usize| x[(n * g.c_in + c0 + c) * plane + iy * g.w + ix];
-                to_block(
-                    t,
-                    cc,
-                    cols,
-                    plane,
-                    &mut xb[dst_row * BLOCK..],
-                    |c| &x[(n * g.c_in + c0 + c) * plane + iy * g.w..],
-                    src,
-                );
+                dst.copy_from_slice(&stage[(iy - iy0) * g.w * BLOCK..][..cols * BLOCK]);
             }
         }
     }
