@@ -1323,7 +1323,7 @@ const ROW_PIXELS: usize = 4;
 /// Measured (one thread, Zen 4, 5 rounds): dw7x7_14 1.11x and dw7x7_7 1.18x staged; on rows
 /// of 28 and more the extra copy cost as much as it saved or more (dw3x3_28 0.85x).
 fn staged_rows(g: &Geometry) -> bool {
-    g.layout == Layout::Nchw && g.w % 8 != 0 && g.w < STAGED_BELOW
+    g.layout == Layout::Nchw && !g.w.is_multiple_of(8) && g.w < STAGED_BELOW
 }
 const STAGED_BELOW: usize = 16;
 
