@@ -1048,6 +1048,8 @@ fn weights_blocked<const F: bool>(
                 let t0 = ky * g.kw;
                 let acc = &mut sums[t0 * BLOCK..];
                 let pass = pass(t0);
+                #[cfg(not(target_arch = "x86_64"))]
+                let _ = isa;
                 #[cfg(target_arch = "x86_64")]
                 if isa == Isa::Avx512 {
                     // SAFETY: the plan's ISA, checked against the CPU at create.
