@@ -4,7 +4,8 @@
 //! - Backward data, NCHW: an input-gradient row gathers from the output-gradient rows its
 //!   taps reach. With stride `s` each tap feeds one phase of the row (the columns `x ≡ r mod
 //!   s`) with a contiguous multiply-add, so no work is spent on the zeros a strided
-//!   formulation would insert; the phases are interleaved into the row at the end.
+//!   formulation would insert; the phases are interleaved into the row at the end. The 3x3
+//!   stride-2 layer with padding 1 ([`data_nchw_k3s2`]) makes two input rows at a time.
 //! - Backward data, NHWC: per input pixel, a multiply-add over the channels per tap.
 //! - Backward weights, NCHW: per output channel and tap, dot products of output-gradient rows
 //!   with input rows; the input row is copied once, zero-padded and split into stride phases,
@@ -15,7 +16,9 @@
 //!   The plane and blocked paths sum the bias gradient from the output gradient they read.
 //!
 //! Every kernel is compiled for the plan's ISA ([`isa_dispatch`]) and left to the compiler to
-//! vectorise: the loops are contiguous multiply-adds.
+//! vectorise: the loops are contiguous multiply-adds. One exception: the blocked mode's
+//! unit-stride tap-row pass has an AVX-512 version in intrinsics
+//! ([`BlockPass::run_row_avx512`]), as the compiler's went through permutes.
 
 use super::backward_gemm::{grad_bias, isa_dispatch, madd, plane_sum, taps_inside, Epilogue};
 use super::{copy_run, for_each_worker, zero_run, SendPtr};
@@ -1236,9 +1239,7 @@ impl BlockPass<'_> {
         add_chains(acc, &lanes[0]);
         add_chains(acc, &lanes[1]);
     }
-}
 
-impl BlockPass<'_> {
     /// [`BlockPass::run_row`] in AVX-512 registers, two output pixels a step (one chain set
     /// each) sharing the `K + 1` input pixels their taps read. The compiler's vectorisation of
     /// the portable loop assembled the input vectors from 8- and 16-byte pieces with
