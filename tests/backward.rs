@@ -226,8 +226,10 @@ fn backward_on_layer_shapes() {
         // Depthwise weight gradients over images large enough for several bands of rows.
         (16, 16, 3, 1, 1, 16, 50),
         (24, 24, 3, 2, 1, 24, 75),
-        // The 3x3 stride-2 depthwise backward-data path: an even height and an odd width.
+        // The 3x3 stride-2 depthwise backward-data path: an even height and an odd width;
+        // with a channel multiplier of 2, the general stride-phase path.
         (16, 16, 3, 2, 1, 16, 10),
+        (16, 32, 3, 2, 1, 16, 11),
         (64, 64, 3, 1, 1, 8, 10),
         (3, 16, 7, 2, 3, 1, 23),
         // NCHW 3x3 stride-1 depthwise weight gradients on wide images: the plane path's

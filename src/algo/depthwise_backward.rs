@@ -385,8 +385,9 @@ fn phase_len(g: &Geometry) -> usize {
 /// `i`, `i + 1` and `w` the taps row-major, input row `2i` is `w₄·A[j]` (even columns) and
 /// `w₃·A[j+1] + w₅·A[j]` (odd), row `2i + 1` is `w₁·B[j] + w₇·A[j]` and
 /// `w₀·B[j+1] + w₂·B[j] + w₆·A[j+1] + w₈·A[j]`: 9 multiply-adds for 4 inputs, every read a
-/// whole vector of a zero-padded copy of the row (the general path spends most of its time
-/// on loop control for the two or four taps a row phase has).
+/// whole vector of a zero-padded copy of the row. On dw3x3s2_112 it runs 1.8x the general
+/// path, where perf put 40% of the time in the taps' multiply-adds over 56-float phase rows
+/// and the rest in per-tap loop control, tails and the interleave.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 fn data_nchw_k3s2<const F: bool>(
@@ -1243,7 +1244,7 @@ impl BlockPass<'_> {
     /// [`BlockPass::run_row`] in AVX-512 registers, two output pixels a step (one chain set
     /// each) sharing the `K + 1` input pixels their taps read. The compiler's vectorisation of
     /// the portable loop assembled the input vectors from 8- and 16-byte pieces with
-    /// permutes, at a third of this speed.
+    /// permutes; this pass made dw3x3_28's and dw3x3_7's weight gradients 1.3x faster.
     ///
     /// # Safety
     /// The CPU must have AVX-512F.
@@ -1323,8 +1324,8 @@ const ROW_PIXELS: usize = 4;
 
 /// Whether [`fill_input_block`] transposes an NCHW band's rows as one run: where the rows'
 /// ragged ends (past a multiple of the transpose's 8 pixels) would be a large share of them.
-/// Measured (one thread, Zen 4, 5 rounds): dw7x7_14 1.11x and dw7x7_7 1.18x staged; on rows
-/// of 28 and more the extra copy cost as much as it saved or more (dw3x3_28 0.85x).
+/// Measured (one thread, Zen 4, 5 rounds, staged against not): dw7x7_14 1.11x; on rows of 28
+/// the extra copy cost more than it saved (dw3x3_28 0.85x), on 56 10% (dw7x7_56).
 fn staged_rows(g: &Geometry) -> bool {
     g.layout == Layout::Nchw && !g.w.is_multiple_of(8) && g.w < STAGED_BELOW
 }
