@@ -32,11 +32,14 @@ if mode=="peers":
             for row in csv.DictReader(open("/tmp/compare_peer.csv")):
                 if row[col]: res.setdefault((row["layer"],e),[]).append(float(row[col]))
     json.dump({f"{k[0]}|{k[1]}":v for k,v in res.items()},open(f"/tmp/compare_peers_{col}_{threads}t.json","w"))
-    print(f"layer,convkit_{col}," + ",".join(f"{e}_{col}" for e in engines) + "," + ",".join(f"convkit/{e}" for e in engines) + ",convkit/best")
+    print(f"layer,convkit_{col}," + ",".join(f"{e}_{col}" for e in engines) + "," + ",".join(f"convkit/{e}" for e in engines) + ",convkit/best," + ",".join(f"round_ratio_{e}" for e in engines))
     for l in only.split(","):
         med={n:statistics.median(res.get((l,n),[float('nan')])) for n in ["convkit"]+engines}
         best=max((med[e] for e in engines if med[e]==med[e]), default=float('nan'))
-        print(l+f",{med['convkit']:.1f},"+",".join(f"{med[e]:.1f}" for e in engines)+","+",".join(f"{med['convkit']/med[e]:.2f}" for e in engines)+f",{med['convkit']/best:.2f}")
+        # Ratios of the same round (convkit and the engine run back to back) cancel the
+        # machine's slow phases better than ratios of medians: print their median too.
+        rr=[statistics.median(a/b for a,b in zip(res.get((l,"convkit"),[]),res.get((l,e),[]))) if res.get((l,e)) else float('nan') for e in engines]
+        print(l+f",{med['convkit']:.1f},"+",".join(f"{med[e]:.1f}" for e in engines)+","+",".join(f"{med['convkit']/med[e]:.2f}" for e in engines)+f",{med['convkit']/best:.2f},"+",".join(f"{x:.2f}" for x in rr))
     sys.exit(0)
 if mode=="passes":
     configs=[("forward",[]),("backward-data",["--pass","backward-data"]),("backward-weights",["--pass","backward-weights"])]

@@ -139,7 +139,15 @@ pub(crate) struct Blocking {
 /// BLIS's rule of thumb is half of L1; measured on Zen 4 (32 KiB L1), AVX-512's 32-wide panels
 /// do a little better with K-blocks of 256 (the whole L1) than of 128, as fewer K-blocks mean
 /// fewer passes over C. Capped by `KC_MAX`.
-const L1_PANEL_BYTES: usize = 32 * 1024;
+pub(crate) const L1_PANEL_BYTES: usize = 32 * 1024;
+/// As [`L1_PANEL_BYTES`] for a B block read through row pointers (im2col's shifted copies,
+/// a 1x1 convolution's input channels): its rows are not packed side by side, so a K-step
+/// spans two or three cache lines where a packed panel's spans two, and a rows block of 256
+/// steps no longer fits L1 beside the A stream. Measured on Sapphire Rapids (48 KiB L1,
+/// `convkit bench --algorithm im2col_gemm`, 1 thread, 9 interleaved rounds): K-blocks of 192
+/// (24 KiB) ran the 1x1 and strided layers 1.07-1.12x faster than 256, and resnet50_l2_3x3
+/// 1.02x; the packed Winograd GEMMs ran 4-20% slower with them, so they keep 256.
+pub(crate) const ROW_PANEL_BYTES: usize = 24 * 1024;
 /// Longest K-block: 256 steps (AVX2's 6x16 panel then fills half of L1). The driver keeps
 /// one B row pointer per step on the stack.
 const KC_MAX: usize = 256;
@@ -153,7 +161,19 @@ impl Blocking {
     /// short remainder, and each a multiple of `align` where that fits (im2col blocks that
     /// hold whole input channels).
     pub(crate) fn new(kern: &GemmKernel, k: usize, nc: usize, align: usize) -> Blocking {
-        let kc_max = (L1_PANEL_BYTES / (4 * kern.nr)).clamp(64, KC_MAX);
+        Self::with_panel_bytes(kern, k, nc, align, L1_PANEL_BYTES)
+    }
+
+    /// As [`Blocking::new`], with K-blocks whose `kc x nr` B micro-panel fills at most
+    /// `panel_bytes`.
+    pub(crate) fn with_panel_bytes(
+        kern: &GemmKernel,
+        k: usize,
+        nc: usize,
+        align: usize,
+        panel_bytes: usize,
+    ) -> Blocking {
+        let kc_max = (panel_bytes / (4 * kern.nr)).clamp(64, KC_MAX);
         let kc = if align > 1 && align <= kc_max && k.is_multiple_of(align) {
             let units = k / align;
             units.div_ceil(units.div_ceil(kc_max / align)) * align
