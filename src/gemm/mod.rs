@@ -145,8 +145,9 @@ pub(crate) const L1_PANEL_BYTES: usize = 32 * 1024;
 /// spans two or three cache lines where a packed panel's spans two, and a rows block of 256
 /// steps no longer fits L1 beside the A stream. Measured on Sapphire Rapids (48 KiB L1,
 /// `convkit bench --algorithm im2col_gemm`, 1 thread, 9 interleaved rounds): K-blocks of 192
-/// (24 KiB) ran the 1x1 and strided layers 1.07-1.12x faster than 256, and resnet50_l2_3x3
-/// 1.02x; the packed Winograd GEMMs ran 4-20% slower with them, so they keep 256.
+/// (24 KiB) ran the 1x1 and strided layers 1.07-1.2x faster than 256, and resnet50_l2_3x3
+/// 1.02x; the packed Winograd GEMMs ran 4-20% slower with them, so they keep 256. AVX2's
+/// 16-wide panels still get 256 steps; Zen 4 was not measured with 192.
 pub(crate) const ROW_PANEL_BYTES: usize = 24 * 1024;
 /// Longest K-block: 256 steps (AVX2's 6x16 panel then fills half of L1). The driver keeps
 /// one B row pointer per step on the stack.
