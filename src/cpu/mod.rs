@@ -355,6 +355,43 @@ fn detect() -> Vec<Isa> {
     vec![Isa::Scalar]
 }
 
+/// Bytes of the L2 cache one core has (the level-2 data or unified cache CPUID describes),
+/// read once; 1 MiB (Zen 4's, on which the L2-sized blocks were first measured) where the
+/// CPU does not say or is not x86-64.
+pub fn l2_bytes() -> usize {
+    static L2: OnceLock<usize> = OnceLock::new();
+    *L2.get_or_init(|| detect_l2().unwrap_or(1 << 20))
+}
+
+#[cfg(target_arch = "x86_64")]
+fn detect_l2() -> Option<usize> {
+    use raw_cpuid::{CacheType, CpuId};
+    let cpuid = CpuId::new();
+    let leaf4 = cpuid.get_cache_parameters().and_then(|mut caches| {
+        caches.find_map(|c| {
+            let data = matches!(c.cache_type(), CacheType::Data | CacheType::Unified);
+            (c.level() == 2 && data).then(|| {
+                c.associativity()
+                    * c.physical_line_partitions()
+                    * c.coherency_line_size()
+                    * c.sets()
+            })
+        })
+    });
+    // AMD parts without the cache-parameters leaf give the L2 size (KiB) in 0x8000_0006.
+    let size = leaf4.or_else(|| {
+        let kib = cpuid.get_l2_l3_cache_and_tlb_info()?.l2cache_size() as usize;
+        Some(kib * 1024)
+    })?;
+    // A size below any real L2 (or absurdly large) is a hypervisor's invention: ignore it.
+    (256 << 10..=64 << 20).contains(&size).then_some(size)
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn detect_l2() -> Option<usize> {
+    None
+}
+
 /// The f32 GEMM microkernel for `isa` (every ISA has one: the generator's table says so, and a
 /// test checks it).
 pub(crate) fn gemm_f32(isa: Isa) -> &'static crate::gemm::GemmKernel {

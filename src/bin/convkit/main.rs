@@ -248,6 +248,10 @@ fn info(args: &[String]) -> CliResult<bool> {
         yes(convkit::cpu::has_vnni()),
         yes(convkit::cpu::has_vnni_vbmi())
     );
+    println!(
+        "l2 cache:     {} KiB a core (sizes Winograd's blocks)",
+        convkit::cpu::l2_bytes() >> 10
+    );
     println!("threads:      {} (rayon)", rayon::current_num_threads());
     println!(
         "algorithms:   {}",
