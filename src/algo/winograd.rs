@@ -229,6 +229,33 @@ fn item_floats() -> usize {
 /// interleaved rounds: AVX2 50 -> 71 GFLOP/s (im2col+GEMM 51-64), AVX-512 67 -> 110.
 const U_STREAM_FLOATS: usize = 3 << 20;
 
+/// The item size, at most `max` tiles, whose items keep `threads` workers busiest: workers take
+/// contiguous ranges of the `groups` x chunks items, and an item of n tiles costs n transforms
+/// plus a GEMM over n rounded up to the register block `mr`. Ties go to the bigger item (fewer
+/// passes over the weights); one thread takes `max`. (On two threads 100 tiles in items of 40
+/// left one worker 40 tiles and the other 60.)
+fn balanced_chunk(max: usize, tiles: usize, mr: usize, groups: usize, threads: usize) -> usize {
+    if threads == 1 {
+        return max;
+    }
+    let cost = |n: usize| n.next_multiple_of(mr) + n;
+    let makespan = |c: usize| {
+        let chunks = tiles.div_ceil(c);
+        let items = groups * chunks;
+        let (full, last) = (cost(c), cost(tiles - (chunks - 1) * c));
+        (0..threads)
+            .map(|w| {
+                let (a, b) = (w * items / threads, (w + 1) * items / threads);
+                // Items a..b, of which those at a group's last chunk hold the remainder.
+                let lasts = b / chunks - a / chunks;
+                (b - a - lasts) * full + lasts * last
+            })
+            .max()
+            .unwrap_or(0)
+    };
+    (1..=max).rev().min_by_key(|&c| makespan(c)).unwrap_or(max)
+}
+
 impl Winograd {
     /// Why Winograd cannot run `p` at `isa`, if it cannot.
     pub(crate) fn rejects(p: &ConvParams, isa: Isa) -> Option<String> {
@@ -340,11 +367,7 @@ impl Winograd {
             chunk = chunk.max((tiles / g.batch).next_multiple_of(mr));
         }
         let t = threads.max(1);
-        if g.groups < t {
-            let share = tiles.div_ceil(t.div_ceil(g.groups)).next_multiple_of(mr);
-            chunk = chunk.min(share);
-        }
-        let chunk = chunk.min(tiles);
+        let chunk = balanced_chunk(chunk.min(tiles), tiles, mr, g.groups, t);
         let chunk_pad = chunk.next_multiple_of(mr);
         let chunks = tiles.div_ceil(chunk);
         let items = g.groups * chunks;
@@ -792,4 +815,21 @@ pub(crate) fn runs(
             run
         })
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::balanced_chunk;
+
+    #[test]
+    fn items_split_the_tiles_evenly_between_threads() {
+        // 100 tiles, items of up to 40, register blocks of 8: 40+40+20 leaves one of two
+        // workers 60 tiles; 24-tile items give them 48 and 52.
+        assert_eq!(balanced_chunk(40, 100, 8, 1, 2), 24);
+        // 25 tiles: 13 + 12 (padded to 16 each) beats 16 + 9.
+        assert_eq!(balanced_chunk(16, 25, 8, 1, 2), 13);
+        // One thread takes the biggest item; two groups on two threads need no split.
+        assert_eq!(balanced_chunk(40, 100, 8, 1, 1), 40);
+        assert_eq!(balanced_chunk(16, 16, 8, 2, 2), 16);
+    }
 }
