@@ -357,8 +357,8 @@ impl Winograd {
         // means more reuse of each block of transformed weights.
         let tiles = tiles * g.batch;
         let per_tile = self.kern.xis() * (self.cin_g + self.cout_pad);
-        // As many tiles as fit the budget, at least one register block of the GEMM; then no
-        // more than an even share of the threads.
+        // As many tiles as fit the budget, at least one register block of the GEMM; then the
+        // size at most that which splits evenly between the threads (`balanced_chunk`).
         let mut chunk = (item_floats() / per_tile / mr).max(1) * mr;
         // Every item streams the group's transformed weights once; where they are too big for
         // the caches, an item takes a whole image's tiles so they stream once an image.
