@@ -137,11 +137,15 @@ proptest! {
 
 /// Shapes that cross every blocking boundary of the GEMM driver: K > 256 (several K-blocks),
 /// M > 144 (several M-blocks), more than 512 pixels (several N-blocks), both layouts.
+/// Shapes across the GEMM's block edges, and (45x45) images whose items at two threads are cut
+/// into four ragged pieces along the pixels, claimed by the workers as they go.
 #[test]
 fn blocking_boundaries_match_reference() {
     for (layout, cin, cout, hw, k) in [
         (Layout::Nchw, 40, 150, 27, 3),
         (Layout::Nhwc, 40, 150, 27, 3),
+        (Layout::Nchw, 8, 20, 45, 3),
+        (Layout::Nhwc, 8, 20, 45, 3),
         (Layout::Nchw, 300, 20, 24, 1),
         (Layout::Nhwc, 300, 20, 24, 1),
     ] {

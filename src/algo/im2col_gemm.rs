@@ -17,7 +17,7 @@
 //!
 //! Groups and images are one more dimension of the parallel loop, not separate convolutions.
 
-use super::{copy_run, for_each_worker, zero_run, SendPtr};
+use super::{copy_run, for_each_item_claimed, zero_run, SendPtr};
 use crate::buffer::AlignedBuf;
 use crate::cpu::{self, Isa};
 use crate::gemm::pack::{prepack, prepacked_len, Prepacked};
@@ -107,7 +107,7 @@ impl Im2colGemm {
         self.kern.name
     }
 
-    /// Splits the work so every worker gets the same number of items where possible.
+    /// Splits the work into items that the workers claim as they go (see [`CLAIM_SPREAD`]).
     pub(crate) fn plan(&self, g: &Geometry, threads: usize) -> GemmPlan {
         let (mr, nr) = (self.kern.mr, self.kern.nr);
         let pixels = g.oh * g.ow;
@@ -128,6 +128,21 @@ impl Im2colGemm {
             _ => (mr, nr),
         };
         let (mchunk, nchunk) = split(m, n, self.k, outer, t, gran, self.layout);
+        // Several threads claim items as they go: a worker slowed down (another process on its
+        // core, a small core) then takes fewer. So the even split is cut further along the
+        // pixels, which costs no repeated packing, into items of at least CLAIM_MIN_PIXELS.
+        let cut = |c: usize, g: usize| {
+            let pieces = if t > 1 {
+                (c / CLAIM_MIN_PIXELS).clamp(1, CLAIM_SPREAD)
+            } else {
+                1
+            };
+            c.div_ceil(pieces).div_ceil(g) * g
+        };
+        let (mchunk, nchunk) = match self.layout {
+            Layout::Nchw => (mchunk, cut(nchunk, gran.1)),
+            Layout::Nhwc => (cut(mchunk, gran.0), nchunk),
+        };
         let (mchunks, nchunks) = (m.div_ceil(mchunk), n.div_ceil(nchunk));
         let items = outer * mchunks * nchunks;
         let workers = t.min(items);
@@ -184,7 +199,7 @@ impl Im2colGemm {
         };
         let items = plan.outer * plan.mchunks * plan.nchunks;
         let scratch = &mut scratch[..plan.workspace_floats()];
-        for_each_worker(plan.workers, items, scratch, |scratch, item| {
+        for_each_item_claimed(plan.workers, items, scratch, |scratch, item| {
             // SAFETY: items write disjoint blocks of the output (distinct image/group, rows or
             // columns), which `output` covers: its length was checked. The kernel's ISA was
             // checked when the weights were packed.
@@ -316,6 +331,12 @@ impl Im2colGemm {
 
 /// Floats of output one NCHW block may span (256 KiB: a quarter of Zen 4's L2).
 const C_BLOCK_FLOATS: usize = 64 * 1024;
+
+/// With several threads, each worker's even share is cut into up to this many items...
+const CLAIM_SPREAD: usize = 4;
+/// ...of at least this many output pixels (smaller ones cost more in per-item overhead and
+/// weight re-reads than they save in balance).
+const CLAIM_MIN_PIXELS: usize = 256;
 
 /// Packing one im2col element costs about as much as this many multiply-adds in the kernel
 /// (a strided gather: about one cycle, while the kernel does 16 multiply-adds a cycle).

@@ -198,7 +198,6 @@ pub(crate) fn for_each_worker(
 /// worker slowed down (another process on its core) should not hold up the run. Items a worker
 /// runs are then not contiguous, so not for items that share data in cache with their
 /// neighbours.
-#[cfg(feature = "int8")]
 pub(crate) fn for_each_item_claimed(
     workers: usize,
     items: usize,
