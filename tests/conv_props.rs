@@ -136,9 +136,9 @@ proptest! {
 }
 
 /// Shapes that cross every blocking boundary of the GEMM driver: K > 256 (several K-blocks),
-/// M > 144 (several M-blocks), more than 512 pixels (several N-blocks), both layouts.
-/// Shapes across the GEMM's block edges, and (45x45) images whose items at two threads are cut
-/// into four ragged pieces along the pixels, claimed by the workers as they go.
+/// M > 144 (several M-blocks), more than 512 pixels (several N-blocks), both layouts; and
+/// 45x45 images, whose im2col items at two threads are cut four ways along the pixels with a
+/// ragged last piece (the unit test in `im2col_gemm.rs` pins that cut).
 #[test]
 fn blocking_boundaries_match_reference() {
     for (layout, cin, cout, hw, k) in [

@@ -334,8 +334,8 @@ const C_BLOCK_FLOATS: usize = 64 * 1024;
 
 /// With several threads, each worker's even share is cut into up to this many items...
 const CLAIM_SPREAD: usize = 4;
-/// ...of at least this many output pixels (smaller ones cost more in per-item overhead and
-/// weight re-reads than they save in balance).
+/// ...of at least this many output pixels. Cutting finer, across the channels too, cost small
+/// layers up to 30% at two threads (resnet50_l4_3x3 0.70x, mobilenetv2_pw_expand 0.57x).
 const CLAIM_MIN_PIXELS: usize = 256;
 
 /// Packing one im2col element costs about as much as this many multiply-adds in the kernel
@@ -917,5 +917,43 @@ impl Panels for Im2colNhwc<'_> {
             }
         }
         (dst.as_ptr(), kc * r)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Im2colGemm;
+    use crate::{ConvParams, Isa, Layout, Padding};
+
+    /// (items, pixel-direction chunk, pixels of the GEMM) of an 8->20 3x3 layer on two
+    /// `hw`x`hw` images: NCHW runs a GEMM an image, NHWC one over both images.
+    fn cut(layout: Layout, hw: usize, threads: usize) -> (usize, usize, usize) {
+        let p = ConvParams::conv2d(8, 20, [3, 3])
+            .with_padding(Padding::Same)
+            .with_layout(layout);
+        let conv = Im2colGemm::new(&p, &vec![0.0; 20 * 8 * 9], Isa::Scalar).unwrap();
+        let g = p.geometry(2, hw, hw).unwrap();
+        let plan = conv.plan(&g, threads);
+        let items = plan.outer * plan.mchunks * plan.nchunks;
+        match layout {
+            Layout::Nchw => (items, plan.nchunk, plan.n),
+            Layout::Nhwc => (items, plan.mchunk, plan.m),
+        }
+    }
+
+    #[test]
+    fn shares_are_cut_along_the_pixels_only_at_several_threads() {
+        // One thread: one item per GEMM.
+        assert_eq!(cut(Layout::Nchw, 45, 1).0, 2);
+        assert_eq!(cut(Layout::Nhwc, 45, 1).0, 1);
+        for layout in [Layout::Nchw, Layout::Nhwc] {
+            // Two threads: each worker's 2025 pixels in four items of at least 256 pixels,
+            // the last one ragged.
+            let (items, chunk, pixels) = cut(layout, 45, 2);
+            assert_eq!(items, 8, "{layout:?}");
+            assert!(chunk >= 256 && pixels % chunk != 0, "{layout:?}: {chunk}");
+            // 7x7 = 49 pixels a worker: too few to cut.
+            assert_eq!(cut(layout, 7, 2).0, 2, "{layout:?}");
+        }
     }
 }
