@@ -1065,9 +1065,18 @@ fn blocked_scratch(g: &Geometry, kern: &DwKernel) -> usize {
 /// 28x28: 40 vs 26). Measured again with the row-pointer transposes (3x3, AVX-512, three
 /// rounds, ms planes vs blocked): 14x14 0.051-0.082 vs 0.087-0.137, 28x28 0.053-0.059 vs
 /// 0.106-0.161, 10x10 a tie (0.045-0.073 vs 0.047-0.052).
+///
+/// On Intel Sapphire/Emerald Rapids (2026-12-06, five interleaved rounds, medians, GFLOP/s
+/// planes vs blocked; flat-kernel shapes aside) blocked wins at every kernel size once the
+/// output is at most 8 wide: AVX-512 7x7 on 7x7 46 vs 58, on 8x8 32 vs 37, 7x7 stride 2 on
+/// 14x14 13.5 vs 19.6, 5x5 stride 2 on 14x14 9.6 vs 12.3, 5x5 on 10x10 a tie (20.2 vs 20.3);
+/// AVX2 28 vs 33, 19 vs 23, 6.8 vs 14.5, 5.7 vs 10.4, 13 vs 16. The plane kernels' rows are
+/// then a mostly empty vector (and 8-lane vectors run at half the 16-lane rate there), which
+/// Zen 4's 49 vs 41 on 7x7 above did not show; the strided cases there were not measured. So
+/// images at most 8 wide go blocked for every kernel, wider ones by the Zen 4 rule.
 fn blocked_wins(g: &Geometry, channel_kernel: &DwKernel) -> bool {
     match channel_kernel.fixed {
-        Some((k, _)) => k <= 3 && g.ow <= 8,
+        Some(_) => g.ow <= 8,
         // The generic kernels, planes vs blocked: 4x4 on 56x56 10-11 vs 24-31; 9x9 on 28x28
         // 16 vs 41-46; 3x3 dilation 2 on 28x28 13 vs 16; 3x3 stride 3 on 56x56 1.9 vs 6.
         None => true,
