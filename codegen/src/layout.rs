@@ -1,5 +1,6 @@
-//! Layout kernels: the 8x8 transpose that moves blocks of channel planes into pixels of
-//! channels and back (the blocked NCHW depthwise mode).
+//! Layout kernels: the 8x8 transposes (GEMM packing, Winograd and the backward passes; over
+//! row pointers, the blocked NCHW depthwise mode at AVX2) and the masked 16x16 one that moves
+//! rows of channel planes into pixels of channels and back in the blocked mode at AVX-512.
 
 use crate::lit;
 use proc_macro2::TokenStream;
@@ -47,9 +48,64 @@ fn avx2_network(
     }
 }
 
+/// The AVX-512 16x16 transpose network, as [`avx2_network`]: pairs of rows interleaved and pairs
+/// of pairs within each 128-bit lane, which leaves lane `l` of `u(4h + m)` holding column
+/// `4l + m` of rows `4h..4h+4`; two rounds of 128-bit lane shuffles then gather each column's
+/// four lanes.
+fn avx512_network(
+    load: impl Fn(usize) -> TokenStream,
+    store: impl Fn(usize, TokenStream) -> TokenStream,
+) -> TokenStream {
+    let id = |p: &str, i: usize| format_ident!("{p}{i}");
+    let loads = (0..16).map(|i| {
+        let (r, row) = (id("r", i), load(i));
+        quote!(let #r = #row;)
+    });
+    let unpacks = (0..8).map(|i| {
+        let (a, b) = (id("r", 2 * i), id("r", 2 * i + 1));
+        let (lo, hi) = (id("t", 2 * i), id("t", 2 * i + 1));
+        quote! {
+            let #lo = _mm512_unpacklo_ps(#a, #b);
+            let #hi = _mm512_unpackhi_ps(#a, #b);
+        }
+    });
+    let shuffles = (0..16).map(|i| {
+        let (h, p, q) = (i / 4, i / 2 % 2, i % 2);
+        let (a, b) = (id("t", 4 * h + p), id("t", 4 * h + p + 2));
+        let u = id("u", i);
+        let imm = lit(if q == 0 { 0x44 } else { 0xEE });
+        quote!(let #u = _mm512_shuffle_ps::<#imm>(#a, #b);)
+    });
+    // v(4m + k): lanes (0, 1) or (2, 3) (k even or odd) of u(m + 8(k / 2)) and u(m + 8(k / 2) + 4).
+    let halves = (0..16).map(|i| {
+        let (m, k) = (i / 4, i % 4);
+        let (a, b) = (id("u", m + 8 * (k / 2)), id("u", m + 8 * (k / 2) + 4));
+        let v = id("v", i);
+        let imm = lit(if k % 2 == 0 { 0x44 } else { 0xEE });
+        quote!(let #v = _mm512_shuffle_f32x4::<#imm>(#a, #b);)
+    });
+    // Row 4l + m: lane l of u(m), u(4 + m), u(8 + m), u(12 + m), from the even (l = 0, 2) or
+    // odd (l = 1, 3) lanes of v(4m + l / 2) and v(4m + 2 + l / 2).
+    let stores = (0..16).map(|j| {
+        let (l, m) = (j / 4, j % 4);
+        let (a, b) = (id("v", 4 * m + l / 2), id("v", 4 * m + 2 + l / 2));
+        let imm = lit(if l % 2 == 0 { 0x88 } else { 0xDD });
+        store(j, quote!(_mm512_shuffle_f32x4::<#imm>(#a, #b)))
+    });
+    quote! {
+        use core::arch::x86_64::*;
+        #(#loads)*
+        #(#unpacks)*
+        #(#shuffles)*
+        #(#halves)*
+        #(#stores)*
+    }
+}
+
 /// `transpose_8x8_<isa>` (rows `ss` and `ds` floats apart) and `transpose_rows_8x8_<isa>`
 /// (rows anywhere, through two arrays of row pointers) for the ISAs that have a vector one
-/// (AVX2, used at AVX-512 too), the scalar ones, and their registries.
+/// (AVX2, used at AVX-512 too), the scalar ones, the masked 16x16 transpose of AVX-512, and
+/// their registries.
 pub fn emit_all() -> TokenStream {
     let doc = " dst[j][i] = src[i][j] for an 8x8 block: rows of `src` are `ss` floats apart, rows \
                of `dst` `ds` floats apart.\n\n # Safety\n The CPU has the ISA; `src` holds 8 rows \
@@ -79,6 +135,22 @@ pub fn emit_all() -> TokenStream {
             quote!(_mm256_storeu_ps(dst[#j], #v);)
         },
     );
+    let masked16 = avx512_network(
+        |i| {
+            let i = lit(i);
+            quote!(_mm512_maskz_loadu_ps(if #i < r { lanes_c } else { 0 }, src.wrapping_add(#i * ss)))
+        },
+        |j, v| {
+            let j = lit(j);
+            quote!(_mm512_mask_storeu_ps(dst.wrapping_add(#j * ds), if #j < c { lanes_r } else { 0 }, #v);)
+        },
+    );
+    let masked_doc =
+        " dst[j][i] = src[i][j] for i < r, j < c (r, c at most 16): rows of `src` are \
+                      `ss` floats apart, rows of `dst` `ds` floats apart; nothing else is read or \
+                      written (masked: the rows past `r` and `c` are not touched).\n\n # Safety\n \
+                      The CPU has AVX-512F; `src` holds `r` rows of `c` readable floats, `dst` `c` \
+                      rows of `r` writable ones, not overlapping them.";
     quote! {
         /// An 8x8 transpose kernel.
         pub type Transpose8x8 = unsafe fn(src: *const f32, ss: usize, dst: *mut f32, ds: usize);
@@ -116,6 +188,24 @@ pub fn emit_all() -> TokenStream {
         pub unsafe fn transpose_rows_8x8_avx2(src: &[*const f32; 8], dst: &[*mut f32; 8]) {
             #rows
         }
+
+        /// A masked transpose kernel of at most 16x16: `(src, ss, dst, ds, r, c)`.
+        pub type TransposeMasked16 = unsafe fn(src: *const f32, ss: usize, dst: *mut f32, ds: usize, r: usize, c: usize);
+
+        #[doc = #masked_doc]
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = "avx512f")]
+        pub unsafe fn transpose_16x16_masked_avx512(src: *const f32, ss: usize, dst: *mut f32, ds: usize, r: usize, c: usize) {
+            let lanes_c = ((1u32 << c) - 1) as u16;
+            let lanes_r = ((1u32 << r) - 1) as u16;
+            #masked16
+        }
+
+        /// The masked 16x16 transposes compiled for this target, by the ISA each needs.
+        pub static TRANSPOSE_MASKED_16: &[(crate::cpu::Isa, TransposeMasked16)] = &[
+            #[cfg(target_arch = "x86_64")]
+            (crate::cpu::Isa::Avx512, transpose_16x16_masked_avx512),
+        ];
 
         /// The 8x8 transposes compiled for this target, by the lowest ISA each needs.
         pub static TRANSPOSE_8X8: &[(crate::cpu::Isa, Transpose8x8)] = &[

@@ -10,8 +10,8 @@
 //! are contiguous) for NCHW, tap-major with the channels padded to a whole vector for NHWC.
 
 use super::{for_each_worker, SendPtr};
-use crate::cpu::TransposeRows8x8;
 use crate::cpu::{self, Isa};
+use crate::cpu::{TransposeMasked16, TransposeRows8x8};
 use crate::params::Geometry;
 use crate::storage::{narrow, widen, Storage, StorageType};
 use crate::{Activation, ConvParams, Error, Layout, Padding, Result};
@@ -182,8 +182,8 @@ pub(crate) struct Depthwise {
     flat: Option<&'static DwKernel>,
     flat_narrow: Option<&'static DwKernel>,
     multiplier: usize,
-    /// The blocked mode's transpose.
-    transpose: TransposeRows8x8,
+    /// The blocked mode's transposes.
+    transpose: BlockTranspose,
     /// The mode a forced kernel runs in.
     forced_mode: Option<Mode>,
     /// The ISA level the kernels were chosen for.
@@ -378,7 +378,10 @@ impl Depthwise {
                 _ => None,
             },
             multiplier: p.out_channels / p.in_channels,
-            transpose: cpu::transpose_rows_8x8(isa),
+            transpose: BlockTranspose {
+                rows8: cpu::transpose_rows_8x8(isa),
+                masked16: cpu::transpose_masked_16(isa),
+            },
             forced_mode,
             isa,
             forced_half,
@@ -1085,14 +1088,7 @@ fn blocked_wins(g: &Geometry, channel_kernel: &DwKernel) -> bool {
 
 /// `cb` planes of the input (`src`) into pixels of `cb` channels (`dst`: rows `wp` pixels
 /// wide, the padding of `g` around the image zeroed), 8 channels x 8 pixels at a time.
-fn to_pixels(
-    t: TransposeRows8x8,
-    src: &[f32],
-    g: &Geometry,
-    wp: usize,
-    cb: usize,
-    dst: &mut [f32],
-) {
+fn to_pixels(t: BlockTranspose, src: &[f32], g: &Geometry, wp: usize, cb: usize, dst: &mut [f32]) {
     let (w, hw) = (g.w, g.h * g.w);
     let hp = dst.len() / (wp * cb);
     // Only the padding needs zeros: the image's pixels are all written below.
@@ -1110,7 +1106,7 @@ fn to_pixels(
         stride: wp,
         origin: g.pad_top * wp + g.pad_left,
     };
-    blocks(t, src, hw, cb, grid, dst, Direction::ToPixels);
+    t.run(src, hw, cb, grid, dst, Direction::ToPixels);
 }
 
 /// Pixels of `cb` channels (`src`, rows `owp` pixels wide) back into `cb` output planes
@@ -1118,7 +1114,7 @@ fn to_pixels(
 /// the clamp applied when there is one.
 #[allow(clippy::too_many_arguments)]
 fn to_planes(
-    t: TransposeRows8x8,
+    t: BlockTranspose,
     src: &[f32],
     g: &Geometry,
     owp: usize,
@@ -1133,7 +1129,7 @@ fn to_planes(
         stride: owp,
         origin: 0,
     };
-    blocks(t, src, g.oh * g.ow, cb, grid, dst, Direction::ToPlanes);
+    t.run(src, g.oh * g.ow, cb, grid, dst, Direction::ToPlanes);
     if let Some(r) = residual {
         for (v, &r) in dst.iter_mut().zip(r) {
             *v = (*v + r).max(min).min(max);
@@ -1147,6 +1143,16 @@ enum Direction {
     ToPlanes,
 }
 
+impl Direction {
+    /// The lengths of the planes and of the pixels among a move's `src` and `dst`.
+    fn planes_and_pixels(self, src: &[f32], dst: &[f32]) -> (usize, usize) {
+        match self {
+            Direction::ToPixels => (src.len(), dst.len()),
+            Direction::ToPlanes => (dst.len(), src.len()),
+        }
+    }
+}
+
 /// Where an image's pixels lie in a buffer of `cb`-channel pixels: pixel (y, x) of a `w`-wide
 /// image at pixel `origin + y·stride + x` of the buffer.
 #[derive(Clone, Copy)]
@@ -1154,6 +1160,67 @@ struct PixelGrid {
     w: usize,
     stride: usize,
     origin: usize,
+}
+
+/// The blocked mode's transposes: the masked 16x16 one a row of pixels at a time where the
+/// ISA has it, else 8x8 blocks over row pointers.
+#[derive(Clone, Copy)]
+struct BlockTranspose {
+    rows8: TransposeRows8x8,
+    masked16: Option<TransposeMasked16>,
+}
+
+impl BlockTranspose {
+    /// Moves `cb` planes of `n` pixels (plane-major) to or from pixels of `cb` channels laid
+    /// out as `grid` says (`src` to `dst` in the direction `dir`).
+    fn run(
+        self,
+        src: &[f32],
+        n: usize,
+        cb: usize,
+        grid: PixelGrid,
+        dst: &mut [f32],
+        dir: Direction,
+    ) {
+        let Some(t) = self.masked16 else {
+            return blocks(self.rows8, src, n, cb, grid, dst, dir);
+        };
+        let (planes_len, pixels_len) = dir.planes_and_pixels(src, dst);
+        let (w, h) = (grid.w, n / grid.w.max(1));
+        assert!(
+            w * h == n
+                && planes_len >= cb * n
+                && (n == 0 || (grid.origin + (h - 1) * grid.stride + w) * cb <= pixels_len)
+        );
+        let (src_ptr, dst_ptr) = (src.as_ptr(), dst.as_mut_ptr());
+        // A call moves up to 16 pixels of an image row by up to 16 channels: no pointer per
+        // row, no remainder outside the kernel.
+        for y in 0..h {
+            for x0 in (0..w).step_by(16) {
+                let nx = 16.min(w - x0);
+                let (plane, pixel) = (y * w + x0, (grid.origin + y * grid.stride + x0) * cb);
+                for c0 in (0..cb).step_by(16) {
+                    let nc = 16.min(cb - c0);
+                    let (planes, pixels) = (plane + c0 * n, pixel + c0);
+                    // SAFETY: planes `c0..c0+nc` hold this row's pixels `x0..x0+nx` (`n`
+                    // floats apart; planes length asserted) and the row's pixels lie `cb`
+                    // floats apart below the last pixel's end (asserted), `nc` channels from
+                    // `c0` each; the kernel reads and writes only those; `src` and `dst` are
+                    // distinct slices; the ISA is this CPU's (chosen at create).
+                    unsafe {
+                        match dir {
+                            Direction::ToPixels => {
+                                t(src_ptr.add(planes), n, dst_ptr.add(pixels), cb, nc, nx)
+                            }
+                            Direction::ToPlanes => {
+                                t(src_ptr.add(pixels), cb, dst_ptr.add(planes), n, nx, nc)
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
 }
 
 /// Moves `cb` planes of `n` pixels (plane-major, `planes`) to or from pixels of `cb` channels
@@ -1170,10 +1237,7 @@ fn blocks(
     dir: Direction,
 ) {
     let at = |p: usize| (grid.origin + p / grid.w * grid.stride + p % grid.w) * cb;
-    let (planes_len, pixels_len) = match dir {
-        Direction::ToPixels => (src.len(), dst.len()),
-        Direction::ToPlanes => (dst.len(), src.len()),
-    };
+    let (planes_len, pixels_len) = dir.planes_and_pixels(src, dst);
     assert!(planes_len >= cb * n && (n == 0 || at(n - 1) + cb <= pixels_len));
     let (c8, n8) = (cb / 8 * 8, n / 8 * 8);
     let (src_ptr, dst_ptr) = (src.as_ptr(), dst.as_mut_ptr());

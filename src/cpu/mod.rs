@@ -19,7 +19,7 @@ pub(crate) mod generated_layout {
     include!(concat!(env!("OUT_DIR"), "/layout.rs"));
 }
 
-pub(crate) use generated_layout::{Transpose8x8, TransposeRows8x8};
+pub(crate) use generated_layout::{Transpose8x8, TransposeMasked16, TransposeRows8x8};
 
 /// The generated Winograd transforms.
 #[allow(clippy::all)]
@@ -58,6 +58,14 @@ pub(crate) fn transpose_8x8(isa: Isa) -> generated_layout::Transpose8x8 {
 /// The best 8x8 transpose over row pointers `isa` can run.
 pub(crate) fn transpose_rows_8x8(isa: Isa) -> generated_layout::TransposeRows8x8 {
     best_layout(generated_layout::TRANSPOSE_ROWS_8X8, isa)
+}
+
+/// The masked 16x16 transpose, where `isa` can run one.
+pub(crate) fn transpose_masked_16(isa: Isa) -> Option<TransposeMasked16> {
+    generated_layout::TRANSPOSE_MASKED_16
+        .iter()
+        .find(|(i, _)| *i <= isa && i.family() == isa.family())
+        .map(|&(_, f)| f)
 }
 
 /// The entry of a layout registry for the highest ISA of `isa`'s family up to `isa` (every
