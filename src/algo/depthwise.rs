@@ -1087,7 +1087,7 @@ fn blocked_wins(g: &Geometry, channel_kernel: &DwKernel) -> bool {
 }
 
 /// `cb` planes of the input (`src`) into pixels of `cb` channels (`dst`: rows `wp` pixels
-/// wide, the padding of `g` around the image zeroed), 8 channels x 8 pixels at a time.
+/// wide, the padding of `g` around the image zeroed), through `t`.
 fn to_pixels(t: BlockTranspose, src: &[f32], g: &Geometry, wp: usize, cb: usize, dst: &mut [f32]) {
     let (w, hw) = (g.w, g.h * g.w);
     let hp = dst.len() / (wp * cb);
@@ -1110,7 +1110,7 @@ fn to_pixels(t: BlockTranspose, src: &[f32], g: &Geometry, wp: usize, cb: usize,
 }
 
 /// Pixels of `cb` channels (`src`, rows `owp` pixels wide) back into `cb` output planes
-/// (`dst`), 8 channels x 8 pixels at a time, then the residual (shaped like `dst`) added and
+/// (`dst`), through `t`, then the residual (shaped like `dst`) added and
 /// the clamp applied when there is one.
 #[allow(clippy::too_many_arguments)]
 fn to_planes(
