@@ -135,6 +135,8 @@ pub fn emit_all() -> TokenStream {
             quote!(_mm256_storeu_ps(dst[#j], #v);)
         },
     );
+    // Rows past `r` (`c`) get an empty mask: masked-off lanes neither load nor store and do
+    // not fault, so their wrapping addresses are never touched.
     let masked16 = avx512_network(
         |i| {
             let i = lit(i);
@@ -145,12 +147,11 @@ pub fn emit_all() -> TokenStream {
             quote!(_mm512_mask_storeu_ps(dst.wrapping_add(#j * ds), if #j < c { lanes_r } else { 0 }, #v);)
         },
     );
-    let masked_doc =
-        " dst[j][i] = src[i][j] for i < r, j < c (r, c at most 16): rows of `src` are \
-                      `ss` floats apart, rows of `dst` `ds` floats apart; nothing else is read or \
-                      written (masked: the rows past `r` and `c` are not touched).\n\n # Safety\n \
-                      The CPU has AVX-512F; `src` holds `r` rows of `c` readable floats, `dst` `c` \
-                      rows of `r` writable ones, not overlapping them.";
+    let masked_doc = " dst[j][i] = src[i][j] for i < r, j < c (r, c at most 16): rows of `src` \
+                      are `ss` floats apart, rows of `dst` `ds` floats apart; nothing else is \
+                      read or written.\n\n # Safety\n The CPU has AVX-512F; `src` holds `r` \
+                      rows of `c` readable floats, `dst` `c` rows of `r` writable ones, not \
+                      overlapping them.";
     quote! {
         /// An 8x8 transpose kernel.
         pub type Transpose8x8 = unsafe fn(src: *const f32, ss: usize, dst: *mut f32, ds: usize);

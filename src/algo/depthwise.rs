@@ -1072,11 +1072,11 @@ fn blocked_scratch(g: &Geometry, kern: &DwKernel) -> usize {
 /// On Intel Sapphire/Emerald Rapids (2026-12-06, five interleaved rounds, medians, GFLOP/s
 /// planes vs blocked; flat-kernel shapes aside) blocked wins at every kernel size once the
 /// output is at most 8 wide: AVX-512 7x7 on 7x7 46 vs 58, on 8x8 32 vs 37, 7x7 stride 2 on
-/// 14x14 13.5 vs 19.6, 5x5 stride 2 on 14x14 9.6 vs 12.3, 5x5 on 10x10 a tie (20.2 vs 20.3);
-/// AVX2 28 vs 33, 19 vs 23, 6.8 vs 14.5, 5.7 vs 10.4, 13 vs 16. The plane kernels' rows are
-/// then a mostly empty vector (and 8-lane vectors run at half the 16-lane rate there), which
-/// Zen 4's 49 vs 41 on 7x7 above did not show; the strided cases there were not measured. So
-/// images at most 8 wide go blocked for every kernel, wider ones by the Zen 4 rule.
+/// 14x14 13.5 vs 19.6, 5x5 stride 2 on 14x14 9.6 vs 12.3; 5x5 on 10x10 a tie (20.2 vs 20.3);
+/// AVX2 28 vs 33, 19 vs 23, 6.8 vs 14.5, 5.7 vs 10.4, 13 vs 16 (the 10-wide 5x5 is the one
+/// case past 8 wide, for the boundary). Zen 4 showed the opposite on 7x7 (49 vs 41 above; its
+/// strided cases were not measured). So images at most 8 wide go blocked for every kernel,
+/// wider ones by the Zen 4 rule.
 fn blocked_wins(g: &Geometry, channel_kernel: &DwKernel) -> bool {
     match channel_kernel.fixed {
         Some(_) => g.ow <= 8,

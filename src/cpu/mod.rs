@@ -597,6 +597,51 @@ mod tests {
         }
     }
 
+    /// Every block size the masked transpose takes, against the definition, with rows apart by
+    /// more than 16 floats: each element of the block lands transposed and nothing outside the
+    /// `r x c` source rows is read into it, nor anything outside the `c x r` destination rows
+    /// written (a NaN sentinel around both).
+    #[test]
+    fn masked_16_transpose_moves_exactly_its_block() {
+        let Some(t) = Isa::available()
+            .iter()
+            .find_map(|&isa| transpose_masked_16(isa))
+        else {
+            assert!(
+                !Isa::available().contains(&Isa::Avx512),
+                "AVX-512 without the transpose"
+            );
+            return;
+        };
+        let (ss, ds) = (19, 21);
+        for r in 1..=16 {
+            for c in 1..=16 {
+                let src: Vec<f32> = (0..16 * ss)
+                    .map(|i| {
+                        if i % ss < c && i / ss < r {
+                            i as f32
+                        } else {
+                            f32::NAN
+                        }
+                    })
+                    .collect();
+                let mut dst = vec![-1.0f32; 16 * ds];
+                // SAFETY: AVX-512 is available (the transpose was found for an available
+                // ISA); src holds r rows of c floats ss apart, dst c rows of r floats ds apart.
+                unsafe { t(src.as_ptr(), ss, dst.as_mut_ptr(), ds, r, c) };
+                for (k, &v) in dst.iter().enumerate() {
+                    let (j, i) = (k / ds, k % ds);
+                    let want = if j < c && i < r {
+                        (i * ss + j) as f32
+                    } else {
+                        -1.0
+                    };
+                    assert_eq!(v, want, "r {r} c {c}: dst[{j}][{i}]");
+                }
+            }
+        }
+    }
+
     #[test]
     fn isa_names_round_trip() {
         for isa in Isa::ALL {
