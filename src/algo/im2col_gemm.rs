@@ -457,8 +457,55 @@ impl Im2colNchw<'_> {
     /// same copy `ky·dh` output rows further on.
     fn fill_copies(&self, dst: &mut [f32], ci0: usize, nci: usize, lc: usize, p0: usize) {
         let g = self.g;
+        let same_width = g.sw == 1 && g.ow == g.w;
         for (j, copy) in dst.chunks_exact_mut(lc).take(nci * g.kw).enumerate() {
-            self.fill(copy, ci0 + j / g.kw, 0, j % g.kw, (p0 / g.ow, p0 % g.ow));
+            let (ci, kx) = (ci0 + j / g.kw, j % g.kw);
+            if same_width {
+                self.fill_same_width(copy, ci, kx, p0);
+            } else {
+                self.fill(copy, ci, 0, kx, (p0 / g.ow, p0 % g.ow));
+            }
+        }
+    }
+
+    /// As `fill` for tap (ci, 0, kx) when the output rows are as wide as the input rows and
+    /// the stride along x is 1 ("same" padding): the copy is then the channel's plane moved by
+    /// a fixed offset, so it is one bulk copy, after which only the columns that the offset
+    /// wraps around the row ends are zeroed. Row by row, `fill` spent about a cycle a float
+    /// on 28-wide rows.
+    #[inline(always)]
+    fn fill_same_width(&self, dst: &mut [f32], ci: usize, kx: usize, p0: usize) {
+        let g = self.g;
+        let w = g.w as isize;
+        let plane = &self.input[ci * g.h * g.w..][..g.h * g.w];
+        // Pixel p0 + t reads plane[s0 + t], when that is inside the plane and its column is.
+        let shift = (kx * g.dw) as isize - g.pad_left as isize;
+        let s0 = p0 as isize - (g.pad_top * g.w) as isize + shift;
+        let (len, n) = (dst.len() as isize, plane.len() as isize);
+        let lo = (-s0).clamp(0, len);
+        let hi = (n - s0).clamp(lo, len);
+        let (lo, hi) = (lo as usize, hi as usize);
+        let from = (s0 + lo as isize) as usize;
+        dst[lo..hi].copy_from_slice(&plane[from..from + (hi - lo)]);
+        dst[..lo].fill(0.0);
+        dst[hi..].fill(0.0);
+        // The columns whose shifted read falls off the row: the first -shift or the last shift.
+        let cols = if shift < 0 {
+            0..(-shift).min(w)
+        } else {
+            w - shift.min(w)..w
+        };
+        if cols.is_empty() {
+            return;
+        }
+        let mut row = -((p0 % g.w) as isize);
+        while row < len {
+            for c in cols.clone() {
+                if let Some(d) = usize::try_from(row + c).ok().and_then(|t| dst.get_mut(t)) {
+                    *d = 0.0;
+                }
+            }
+            row += w;
         }
     }
 
