@@ -6,6 +6,32 @@ use crate::lit;
 use proc_macro2::TokenStream;
 use quote::{format_ident, quote};
 
+/// The first two stages of both transpose networks, on `n` rows `r0..` of the vector type
+/// whose intrinsics start with `prefix`: pairs of rows interleaved (`t`), then pairs of pairs
+/// within each 128-bit lane (`u`).
+fn pairs_in_lanes(n: usize, prefix: &str) -> (TokenStream, TokenStream) {
+    let id = |p: &str, i: usize| format_ident!("{p}{i}");
+    let op = |name: &str| format_ident!("{prefix}_{name}");
+    let (lo_op, hi_op, shuf_op) = (op("unpacklo_ps"), op("unpackhi_ps"), op("shuffle_ps"));
+    let unpacks = (0..n / 2).map(|i| {
+        let (a, b) = (id("r", 2 * i), id("r", 2 * i + 1));
+        let (lo, hi) = (id("t", 2 * i), id("t", 2 * i + 1));
+        quote! {
+            let #lo = #lo_op(#a, #b);
+            let #hi = #hi_op(#a, #b);
+        }
+    });
+    // u(4h + 2p + q) from t(4h + p) and t(4h + p + 2), low (q = 0) or high (q = 1) pairs.
+    let shuffles = (0..n).map(|i| {
+        let (h, p, q) = (i / 4, i / 2 % 2, i % 2);
+        let (a, b) = (id("t", 4 * h + p), id("t", 4 * h + p + 2));
+        let u = id("u", i);
+        let imm = lit(if q == 0 { 0x44 } else { 0xEE });
+        quote!(let #u = #shuf_op::<#imm>(#a, #b);)
+    });
+    (quote!(#(#unpacks)*), quote!(#(#shuffles)*))
+}
+
 /// The AVX2 8x8 transpose network: rows loaded with `load(i)`, row `j` of the transpose stored
 /// with `store(j, value)`.
 fn avx2_network(
@@ -17,22 +43,7 @@ fn avx2_network(
         let (r, addr) = (id("r", i), load(i));
         quote!(let #r = _mm256_loadu_ps(#addr);)
     });
-    let unpacks = (0..4).map(|i| {
-        let (a, b) = (id("r", 2 * i), id("r", 2 * i + 1));
-        let (lo, hi) = (id("t", 2 * i), id("t", 2 * i + 1));
-        quote! {
-            let #lo = _mm256_unpacklo_ps(#a, #b);
-            let #hi = _mm256_unpackhi_ps(#a, #b);
-        }
-    });
-    // u(4h + 2p + q) from t(4h + p) and t(4h + p + 2), low (q = 0) or high (q = 1) pairs.
-    let shuffles = (0..8).map(|i| {
-        let (h, p, q) = (i / 4, i / 2 % 2, i % 2);
-        let (a, b) = (id("t", 4 * h + p), id("t", 4 * h + p + 2));
-        let u = id("u", i);
-        let imm = lit(if q == 0 { 0x44 } else { 0xEE });
-        quote!(let #u = _mm256_shuffle_ps::<#imm>(#a, #b);)
-    });
+    let (unpacks, shuffles) = pairs_in_lanes(8, "_mm256");
     let stores = (0..8).map(|j| {
         let (a, b) = (id("u", j % 4), id("u", j % 4 + 4));
         let imm = lit(if j < 4 { 0x20 } else { 0x31 });
@@ -42,8 +53,8 @@ fn avx2_network(
         use core::arch::x86_64::*;
         #(#loads)*
         // Pairs of rows interleaved, then pairs of pairs, then 128-bit halves exchanged.
-        #(#unpacks)*
-        #(#shuffles)*
+        #unpacks
+        #shuffles
         #(#stores)*
     }
 }
@@ -61,21 +72,7 @@ fn avx512_network(
         let (r, row) = (id("r", i), load(i));
         quote!(let #r = #row;)
     });
-    let unpacks = (0..8).map(|i| {
-        let (a, b) = (id("r", 2 * i), id("r", 2 * i + 1));
-        let (lo, hi) = (id("t", 2 * i), id("t", 2 * i + 1));
-        quote! {
-            let #lo = _mm512_unpacklo_ps(#a, #b);
-            let #hi = _mm512_unpackhi_ps(#a, #b);
-        }
-    });
-    let shuffles = (0..16).map(|i| {
-        let (h, p, q) = (i / 4, i / 2 % 2, i % 2);
-        let (a, b) = (id("t", 4 * h + p), id("t", 4 * h + p + 2));
-        let u = id("u", i);
-        let imm = lit(if q == 0 { 0x44 } else { 0xEE });
-        quote!(let #u = _mm512_shuffle_ps::<#imm>(#a, #b);)
-    });
+    let (unpacks, shuffles) = pairs_in_lanes(16, "_mm512");
     // v(4m + k): lanes (0, 1) or (2, 3) (k even or odd) of u(m + 8(k / 2)) and u(m + 8(k / 2) + 4).
     let halves = (0..16).map(|i| {
         let (m, k) = (i / 4, i % 4);
@@ -95,8 +92,8 @@ fn avx512_network(
     quote! {
         use core::arch::x86_64::*;
         #(#loads)*
-        #(#unpacks)*
-        #(#shuffles)*
+        #unpacks
+        #shuffles
         #(#halves)*
         #(#stores)*
     }
