@@ -485,8 +485,12 @@ impl Im2colNchw<'_> {
         let lo = (-s0).clamp(0, len);
         let hi = (n - s0).clamp(lo, len);
         let (lo, hi) = (lo as usize, hi as usize);
-        let from = (s0 + lo as isize) as usize;
-        dst[lo..hi].copy_from_slice(&plane[from..from + (hi - lo)]);
+        // A copy that misses the plane entirely (a shift past its end, possible on tiny
+        // images) has lo == hi and no valid `from`.
+        if hi > lo {
+            let from = (s0 + lo as isize) as usize;
+            dst[lo..hi].copy_from_slice(&plane[from..from + (hi - lo)]);
+        }
         dst[..lo].fill(0.0);
         dst[hi..].fill(0.0);
         // The columns whose shifted read falls off the row: the first -shift or the last shift.
