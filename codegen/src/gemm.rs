@@ -44,12 +44,17 @@ pub fn emit_all(specs: &[GemmSpec]) -> TokenStream {
             } else {
                 quote!(None)
             };
-            let fields = quote!(mr: #mr, nr: #nr, half: #half, short: #short, rows: #rows, half_rows: #half_rows,);
+            let narrow = narrow_cols(s).into_iter().map(|cols| {
+                let name = narrow_name(s, cols);
+                let (func, rows) = (format_ident!("{}", name), format_ident!("{}_rows", name));
+                quote!(NarrowGemm { cols: #cols, func: #func, rows: #rows },)
+            });
+            let fields = quote!(mr: #mr, nr: #nr, half: #half, short: #short, rows: #rows, half_rows: #half_rows, narrow: &[#(#narrow)*],);
             registry_entry(&s.name(), s.isa, fields)
         })
         .collect();
     quote! {
-        use crate::gemm::{store_edge, GemmEpilogue, GemmKernel};
+        use crate::gemm::{store_edge, store_edge_cols, GemmEpilogue, GemmKernel, NarrowGemm};
 
         #(#kernels)*
 
@@ -74,6 +79,31 @@ fn short_rows(spec: &GemmSpec) -> Option<usize> {
     let v = simd(spec.isa)?;
     let rows = spec.mr / 2;
     (rows * spec.nr / v.lanes >= 8 && rows >= 2).then_some(rows)
+}
+
+/// The vectors a narrow kernel keeps a column of C in (`mr` rows as whole vectors), where the
+/// ISA has a width that divides `mr`: AVX-512's 8-row panels in one ymm, NEON's in two.
+fn narrow_simd(spec: &GemmSpec) -> Option<Simd> {
+    let v = match spec.isa {
+        Isa::Avx512 => crate::simd::simd_ymm(),
+        Isa::Neon => crate::simd::simd(Isa::Neon),
+        Isa::Scalar | Isa::Avx2 => return None,
+    };
+    spec.mr.is_multiple_of(v.lanes).then_some(v)
+}
+
+/// Columns of the narrow edge kernels (narrowest first), those below the half-width kernel's
+/// or the full tile's width.
+fn narrow_cols(spec: &GemmSpec) -> Vec<usize> {
+    if narrow_simd(spec).is_none() {
+        return Vec::new();
+    }
+    let widest = half_width(spec).unwrap_or(spec.nr);
+    [4, 8].into_iter().filter(|&c| c < widest).collect()
+}
+
+fn narrow_name(spec: &GemmSpec, cols: usize) -> String {
+    format!("{}_narrow{cols}", spec.name())
 }
 
 fn half_name(spec: &GemmSpec) -> String {
@@ -109,6 +139,15 @@ fn emit_kernel(spec: &GemmSpec) -> TokenStream {
             if let Some(m) = short_rows(spec) {
                 let name = format!("{}_short", spec.name());
                 out.extend(emit_simd(spec, &v, spec.nr, &name, false, m));
+            }
+            if let Some(nv) = narrow_simd(spec) {
+                for cols in narrow_cols(spec) {
+                    for rows in [false, true] {
+                        let suffix = if rows { "_rows" } else { "" };
+                        let name = format!("{}{suffix}", narrow_name(spec, cols));
+                        out.extend(emit_narrow(spec, &nv, cols, &name, rows));
+                    }
+                }
             }
             out
         }
@@ -302,6 +341,122 @@ fn emit_simd(
                 #(#spills)*
                 store_edge(&tile, #cols, c, rs_c, m, n, ep);
             }
+        }
+    }
+}
+
+/// A narrow edge kernel: all `mr` rows of the A panel by the first `cols` columns of B, with
+/// one column of C in `mr / lanes` vectors. A step loads the A panel's column as vectors and
+/// broadcasts each B value, so a B panel of a few columns costs `cols` vector multiply-adds a
+/// step, not the `nr / 2`-wide half kernel's `mr`. With few columns the accumulators would be
+/// too few to hide the multiply-add latency (8 chains: 4 cycles on two ports), so alternate
+/// K steps go to separate sets of accumulators, summed at the end. The tile goes to C through
+/// the stack and `store_edge_cols`; `rows` as for [`emit_simd`].
+fn emit_narrow(spec: &GemmSpec, v: &Simd, cols: usize, name: &str, rows: bool) -> TokenStream {
+    let (mr, nr, lanes) = (spec.mr, spec.nr, v.lanes);
+    let rv = mr / lanes;
+    let sets = 8usize.div_ceil(cols * rv).max(1);
+    let name = format_ident!("{}", name);
+    let (attrs, uses) = (v.attrs(), v.uses());
+    let (zero, load, store, splat, add) = (&v.zero, &v.load, &v.store, &v.splat, &v.add);
+    let acc = |s: usize, j: usize, r: usize| format_ident!("c{}_{}_{}", s, j, r);
+    let all: Vec<(usize, usize, usize)> = (0..sets)
+        .flat_map(|s| (0..cols).flat_map(move |j| (0..rv).map(move |r| (s, j, r))))
+        .collect();
+    let decls = all.iter().map(|&(s, j, r)| {
+        let c = acc(s, j, r);
+        quote!(let mut #c = #zero;)
+    });
+    // One K step into set `s`: A at `a + s*mr`, B's row at `bk`.
+    let step = |s: usize, bk: TokenStream| {
+        let a_loads = (0..rv).map(|r| {
+            let (x, off) = (format_ident!("a{}", r), lit(s * mr + r * lanes));
+            quote!(let #x = #load(a.add(#off));)
+        });
+        let fmas = (0..cols).map(|j| {
+            let body = (0..rv).map(|r| {
+                let (c, x) = (acc(s, j, r), format_ident!("a{}", r));
+                let f = (v.fma)(quote!(#c), quote!(#x), quote!(bj));
+                quote!(#c = #f;)
+            });
+            let j = lit(j);
+            quote! {
+                let bj = #splat(*bk.add(#j));
+                #(#body)*
+            }
+        });
+        quote! {
+            let bk = #bk;
+            #(#a_loads)*
+            #(#fmas)*
+        }
+    };
+    let row_at = |k: TokenStream| {
+        if rows {
+            quote!((*b_rows.add(#k)).add(b_off))
+        } else {
+            let nr = lit(nr);
+            quote!(b.add((#k) * #nr))
+        }
+    };
+    let unrolled = (0..sets).map(|s| {
+        let s_lit = lit(s);
+        step(s, row_at(quote!(k + #s_lit)))
+    });
+    let tail = step(0, row_at(quote!(k)));
+    let sums = all.iter().filter(|&&(s, _, _)| s > 0).map(|&(s, j, r)| {
+        let (c0, c) = (acc(0, j, r), acc(s, j, r));
+        quote!(#c0 = #add(#c0, #c);)
+    });
+    let spills = (0..cols)
+        .flat_map(|j| (0..rv).map(move |r| (j, r)))
+        .map(|(j, r)| {
+            let (c, off) = (acc(0, j, r), lit(j * mr + r * lanes));
+            quote!(#store(tile.as_mut_ptr().add(#off), #c);)
+        });
+    let b_params = if rows {
+        quote!(b_rows: *const *const f32, b_off: usize,)
+    } else {
+        quote!(b: *const f32,)
+    };
+    let doc = format!(
+        " {mr}x{cols} f32 GEMM edge microkernel ({}), vectorised along the rows: C[m x n] = \
+         A-panel · the first {cols} columns of a {nr}-wide B panel over `kc` steps, then the \
+         epilogue.\n\n # Safety\n As the {mr}x{nr} kernel, with `n <= {cols}`.",
+        spec.isa.suffix()
+    );
+    let (mr_lit, sets_lit, tile_len) = (lit(mr), lit(sets), lit(mr * cols));
+    quote! {
+        #[doc = #doc]
+        #attrs
+        #[allow(clippy::too_many_arguments)]
+        pub unsafe fn #name(
+            kc: usize,
+            a: *const f32,
+            #b_params
+            c: *mut f32,
+            rs_c: isize,
+            m: usize,
+            n: usize,
+            ep: &GemmEpilogue,
+        ) {
+            #uses
+            #(#decls)*
+            let (mut a, mut k) = (a, 0);
+            while k + #sets_lit <= kc {
+                #(#unrolled)*
+                a = a.add(#sets_lit * #mr_lit);
+                k += #sets_lit;
+            }
+            while k < kc {
+                #tail
+                a = a.add(#mr_lit);
+                k += 1;
+            }
+            #(#sums)*
+            let mut tile = [0.0f32; #tile_len];
+            #(#spills)*
+            store_edge_cols(&tile, #mr_lit, c, rs_c, m, n, ep);
         }
     }
 }

@@ -51,6 +51,21 @@ pub struct GemmKernel {
     pub rows: Option<GemmRowsFn>,
     /// A variant that takes `mr / 2` rows (for ragged edges), where the ISA has one.
     pub half_rows: Option<GemmRowsFn>,
+    /// Kernels for a last micro-panel of only a few columns, narrowest first (may be empty).
+    pub narrow: &'static [NarrowGemm],
+}
+
+/// A narrow edge kernel: the `mr` rows of an A panel by at most `cols` columns of a B panel,
+/// vectorised along the rows, so that a micro-panel of a few columns (196 pixels are six
+/// 32-wide panels and 4 columns) costs `cols` multiply-adds a step instead of a half panel's
+/// `nr / 2`.
+pub struct NarrowGemm {
+    /// Columns it computes at most.
+    pub cols: usize,
+    /// The kernel over packed B panels.
+    pub func: GemmKernelFn,
+    /// The kernel over B row pointers.
+    pub rows: GemmRowsFn,
 }
 
 /// What a microkernel does after the products: the kernel contract's params struct.
@@ -105,10 +120,43 @@ pub unsafe fn store_edge(
     n: usize,
     ep: &GemmEpilogue,
 ) {
+    store_tile(|i, j| tile[i * ld + j], c, rs_c, m, n, ep)
+}
+
+/// As [`store_edge`] for a tile held by columns (`ld` apart), as the narrow kernels, which
+/// keep a column of C per register, spill it.
+///
+/// # Safety
+/// As [`store_edge`]; `tile` must hold `n` columns of `ld >= m` floats.
+pub unsafe fn store_edge_cols(
+    tile: &[f32],
+    ld: usize,
+    c: *mut f32,
+    rs_c: isize,
+    m: usize,
+    n: usize,
+    ep: &GemmEpilogue,
+) {
+    store_tile(|i, j| tile[j * ld + i], c, rs_c, m, n, ep)
+}
+
+/// C[i][j] = `at(i, j)` (+ C where accumulating, + the epilogue on the last K-block).
+///
+/// # Safety
+/// As [`store_edge`].
+#[inline(always)]
+unsafe fn store_tile(
+    at: impl Fn(usize, usize) -> f32,
+    c: *mut f32,
+    rs_c: isize,
+    m: usize,
+    n: usize,
+    ep: &GemmEpilogue,
+) {
     for i in 0..m {
         let row = c.offset(i as isize * rs_c);
         for j in 0..n {
-            let mut v = tile[i * ld + j];
+            let mut v = at(i, j);
             if ep.accumulate {
                 v += *row.add(j);
             }
@@ -293,7 +341,7 @@ pub(crate) unsafe fn gemm<A: Panels, B: BlockB>(
         blk.nc
     };
     let mut rows = [std::ptr::null::<f32>(); KC_MAX];
-    // The row variants (full, narrow); B rows are offered to `block` only when they exist.
+    // The row variants (full, half-width); B rows are offered to `block` only when they exist.
     let row_fns = kern.rows.map(|full| (full, kern.half_rows.unwrap_or(full)));
     for jc in (0..n).step_by(nc) {
         let ncur = nc.min(n - jc);
@@ -309,62 +357,69 @@ pub(crate) unsafe fn gemm<A: Panels, B: BlockB>(
                 // Panel indices come from enumerate: a division by the runtime nr/mr per
                 // kernel call would cost a few percent.
                 for (jp, jr) in (0..ncur).step_by(nr).enumerate() {
-                    let col = jc + jr;
-                    let nn = nr.min(ncur - jr);
+                    let (pieces, count) = panel_pieces(kern, nr.min(ncur - jr));
                     for (ip, ir) in (0..mcur).step_by(mr).enumerate() {
                         let row = ic + ir;
                         let mm = mr.min(mcur - ir);
-                        let c = out.c.offset(row as isize * out.rs_c).add(col);
-                        let ep = GemmEpilogue {
-                            accumulate: pc > 0 || out.accumulate,
-                            last,
-                            bias: match out.bias {
-                                Some(bias) if out.bias_per_row => bias.as_ptr().add(row),
-                                Some(bias) => bias.as_ptr().add(col),
-                                None => std::ptr::null(),
-                            },
-                            bias_per_row: out.bias_per_row,
-                            residual: if out.residual.is_null() {
-                                out.residual
-                            } else {
-                                out.residual.offset(row as isize * out.rs_c).add(col)
-                            },
-                            rs_residual: out.rs_c,
-                            min,
-                            max,
-                        };
-                        // SAFETY: the A panel holds kc steps of mr floats and the B panel (or each
-                        // B row at its offset) nr floats (packers zero-pad, `block` keeps rows
-                        // readable past `len`); c is inside the caller's m x n output; the ISA
-                        // was checked at create.
-                        let narrow = nn <= nr / 2;
                         let a_panel = ap.add(ip * a_stride);
-                        match b_block {
-                            BBlock::Panels { ptr, stride } => {
-                                let func = match (kern.half, kern.short) {
-                                    (Some(half), _) if narrow => half,
-                                    (_, Some(short)) if mm <= mr / 2 => short,
-                                    _ => kern.func,
-                                };
-                                let b_panel = ptr.add(jp * stride);
-                                func(kc, a_panel, b_panel, c, out.rs_c, mm, nn, &ep);
+                        for &(off, nn, pick) in &pieces[..count] {
+                            let col = jc + jr + off;
+                            let c = out.c.offset(row as isize * out.rs_c).add(col);
+                            let ep = GemmEpilogue {
+                                accumulate: pc > 0 || out.accumulate,
+                                last,
+                                bias: match out.bias {
+                                    Some(bias) if out.bias_per_row => bias.as_ptr().add(row),
+                                    Some(bias) => bias.as_ptr().add(col),
+                                    None => std::ptr::null(),
+                                },
+                                bias_per_row: out.bias_per_row,
+                                residual: if out.residual.is_null() {
+                                    out.residual
+                                } else {
+                                    out.residual.offset(row as isize * out.rs_c).add(col)
+                                },
+                                rs_residual: out.rs_c,
+                                min,
+                                max,
+                            };
+                            // SAFETY: the A panel holds kc steps of mr floats and the B panel
+                            // (or each B row at its offset) nr floats (packers zero-pad, `block`
+                            // keeps rows readable past `len`), of which a piece reads columns
+                            // `off..off + its width <= nr`; c is inside the caller's m x n
+                            // output; the ISA was checked at create.
+                            match b_block {
+                                BBlock::Panels { ptr, stride } => {
+                                    let func = match (pick, kern.half, kern.short) {
+                                        (Pick::Narrow(nk), _, _) => nk.func,
+                                        (Pick::Half, Some(half), _) => half,
+                                        (_, _, Some(short)) if mm <= mr / 2 => short,
+                                        _ => kern.func,
+                                    };
+                                    let b_panel = ptr.add(jp * stride + off);
+                                    func(kc, a_panel, b_panel, c, out.rs_c, mm, nn, &ep);
+                                }
+                                BBlock::Rows { stride } => {
+                                    let Some((full, half)) = row_fns else {
+                                        unreachable!("B rows are offered only to row kernels")
+                                    };
+                                    let func = match pick {
+                                        Pick::Narrow(nk) => nk.rows,
+                                        Pick::Half => half,
+                                        Pick::Full => full,
+                                    };
+                                    let (b_rows, b_off) = (rows.as_ptr(), jp * stride + off);
+                                    func(kc, a_panel, b_rows, b_off, c, out.rs_c, mm, nn, &ep);
+                                }
                             }
-                            BBlock::Rows { stride } => {
-                                let Some((full, half)) = row_fns else {
-                                    unreachable!("B rows are offered only to row kernels")
-                                };
-                                let func = if narrow { half } else { full };
-                                let b_rows = rows.as_ptr();
-                                func(kc, a_panel, b_rows, jp * stride, c, out.rs_c, mm, nn, &ep);
-                            }
-                        }
-                        if last && pass {
-                            for i in 0..mm {
-                                let r = std::slice::from_raw_parts_mut(
-                                    c.offset(i as isize * out.rs_c),
-                                    nn,
-                                );
-                                out.activation.apply_slice(r);
+                            if last && pass {
+                                for i in 0..mm {
+                                    let r = std::slice::from_raw_parts_mut(
+                                        c.offset(i as isize * out.rs_c),
+                                        nn,
+                                    );
+                                    out.activation.apply_slice(r);
+                                }
                             }
                         }
                     }
@@ -372,6 +427,37 @@ pub(crate) unsafe fn gemm<A: Panels, B: BlockB>(
             }
             pc += kc;
         }
+    }
+}
+
+/// Which kernel computes a piece of a B micro-panel's columns.
+#[derive(Clone, Copy)]
+enum Pick {
+    Full,
+    Half,
+    Narrow(&'static NarrowGemm),
+}
+
+/// The pieces (column offset, width, kernel) a micro-panel of `nn` columns is computed in: one
+/// kernel as narrow as fits, or, for a last panel a few columns wider than half (49 pixels are
+/// a 32-wide panel and 17 columns), the half-width kernel and a narrow one beside it, which
+/// together cost less than the full tile.
+fn panel_pieces(kern: &GemmKernel, nn: usize) -> ([(usize, usize, Pick); 2], usize) {
+    let narrow = |n: usize| kern.narrow.iter().find(|nk| n <= nk.cols);
+    let half = kern.nr / 2;
+    let halves = kern.half.is_some() && kern.half_rows.is_some();
+    let one = |pick| ([(0, nn, pick), (0, 0, Pick::Full)], 1);
+    if let Some(nk) = narrow(nn) {
+        one(Pick::Narrow(nk))
+    } else if nn <= half && kern.half.is_some() {
+        one(Pick::Half)
+    } else if let Some(nk) = narrow(nn.saturating_sub(half)).filter(|_| halves && nn > half) {
+        (
+            [(0, half, Pick::Half), (half, nn - half, Pick::Narrow(nk))],
+            2,
+        )
+    } else {
+        one(Pick::Full)
     }
 }
 
