@@ -122,12 +122,21 @@ impl Im2colGemm {
         };
         let t = threads.max(1);
         // Chunks start on micro-panel boundaries of the operand packed at create time; the
-        // other may start anywhere, and a half-width edge kernel makes half panels cheap.
-        let gran = match self.layout {
-            Layout::Nchw if self.kern.half.is_some() => (mr, nr / 2),
+        // other may start anywhere, and the half-width and narrow edge kernels make a chunk's
+        // last few columns cheap (at two threads, 784 pixels are two chunks of 24.5 panels).
+        let gran = match (self.layout, self.kern.half, self.kern.narrow.last()) {
+            (Layout::Nchw, Some(_), Some(nk)) => (mr, nk.cols),
+            (Layout::Nchw, Some(_), None) => (mr, nr / 2),
             _ => (mr, nr),
         };
-        let (mchunk, nchunk) = split(m, n, self.k, outer, t, gran, self.layout);
+        // What a chunk of pixels repeats: nothing where a 1x1 stride-1 layer reads its B rows
+        // in place, a shifted copy per kernel row (not per tap) at vertical stride 1.
+        let pack = match self.layout {
+            Layout::Nchw if self.kern.rows.is_some() && Im2colNchw::pointwise(g) => 0,
+            Layout::Nchw if g.sh == 1 => PACK_COST.div_ceil(g.kh),
+            _ => PACK_COST,
+        };
+        let (mchunk, nchunk) = split(m, n, self.k, outer, t, gran, self.layout, pack);
         // Several threads claim items as they go: a worker slowed down (another process on its
         // core, a small core) then takes fewer. So the even split is cut further along the
         // pixels, which costs no repeated packing, into items of at least CLAIM_MIN_PIXELS.
@@ -344,7 +353,9 @@ const PACK_COST: usize = 16;
 
 /// Chooses the chunk sizes (rows, columns) of the work items: the split whose busiest worker
 /// has the least to do, counting tile padding at the chunk edges and the im2col packing each
-/// item repeats. With one worker that is one item per image and group.
+/// item repeats (`pack_cost` a packed element). With one worker that is one item per image and
+/// group.
+#[allow(clippy::too_many_arguments)]
 fn split(
     m: usize,
     n: usize,
@@ -353,6 +364,7 @@ fn split(
     t: usize,
     (mgran, ngran): (usize, usize),
     layout: Layout,
+    pack_cost: usize,
 ) -> (usize, usize) {
     let mut best = (usize::MAX, usize::MAX, m, n);
     for mch in 1..=m.div_ceil(mgran).min(8 * t) {
@@ -364,7 +376,7 @@ fn split(
                 Layout::Nchw => nchunk,
                 Layout::Nhwc => mchunk,
             };
-            let item = mchunk * nchunk * k + PACK_COST * packed * k;
+            let item = mchunk * nchunk * k + pack_cost * packed * k;
             let cost = (items.div_ceil(t) * item, items);
             if cost < (best.0, best.1) {
                 best = (cost.0, cost.1, mchunk, nchunk);
