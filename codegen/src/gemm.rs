@@ -47,14 +47,14 @@ pub fn emit_all(specs: &[GemmSpec]) -> TokenStream {
             let narrow = narrow_cols(s).into_iter().map(|cols| {
                 let name = narrow_name(s, cols);
                 let (func, rows) = (format_ident!("{}", name), format_ident!("{}_rows", name));
-                quote!(NarrowGemm { cols: #cols, func: #func, rows: #rows },)
+                quote!(crate::gemm::NarrowGemm { cols: #cols, func: #func, rows: #rows },)
             });
             let fields = quote!(mr: #mr, nr: #nr, half: #half, short: #short, rows: #rows, half_rows: #half_rows, narrow: &[#(#narrow)*],);
             registry_entry(&s.name(), s.isa, fields)
         })
         .collect();
     quote! {
-        use crate::gemm::{store_edge, store_edge_cols, GemmEpilogue, GemmKernel, NarrowGemm};
+        use crate::gemm::{store_edge, GemmEpilogue, GemmKernel};
 
         #(#kernels)*
 
@@ -456,7 +456,7 @@ fn emit_narrow(spec: &GemmSpec, v: &Simd, cols: usize, name: &str, rows: bool) -
             #(#sums)*
             let mut tile = [0.0f32; #tile_len];
             #(#spills)*
-            store_edge_cols(&tile, #mr_lit, c, rs_c, m, n, ep);
+            crate::gemm::store_edge_cols(&tile, #mr_lit, c, rs_c, m, n, ep);
         }
     }
 }
