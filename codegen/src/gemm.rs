@@ -272,48 +272,29 @@ fn emit_simd(
     });
     let tile_len = lit(mr * cols);
     let (mr, nr, cols) = (lit(mr), lit(nr), lit(cols));
-    let (b_params, b_loop) = if rows {
-        (
-            quote!(b_rows: *const *const f32, b_off: usize,),
-            quote! {
-                let mut a = a;
-                for k in 0..kc {
-                    let b = (*b_rows.add(k)).add(b_off);
-                    #(#b_loads)*
-                    #(#fmas)*
-                    a = a.add(#a_step);
-                }
-            },
-        )
+    let b_loop = if rows {
+        quote! {
+            let mut a = a;
+            for k in 0..kc {
+                let b = (*b_rows.add(k)).add(b_off);
+                #(#b_loads)*
+                #(#fmas)*
+                a = a.add(#a_step);
+            }
+        }
     } else {
-        (
-            quote!(b: *const f32,),
-            quote! {
-                let (mut a, mut b) = (a, b);
-                for _ in 0..kc {
-                    #(#b_loads)*
-                    #(#fmas)*
-                    a = a.add(#a_step);
-                    b = b.add(#nr);
-                }
-            },
-        )
+        quote! {
+            let (mut a, mut b) = (a, b);
+            for _ in 0..kc {
+                #(#b_loads)*
+                #(#fmas)*
+                a = a.add(#a_step);
+                b = b.add(#nr);
+            }
+        }
     };
 
-    quote! {
-        #[doc = #doc]
-        #attrs
-        #[allow(clippy::too_many_arguments)]
-        pub unsafe fn #name(
-            kc: usize,
-            a: *const f32,
-            #b_params
-            c: *mut f32,
-            rs_c: isize,
-            m: usize,
-            n: usize,
-            ep: &GemmEpilogue,
-        ) {
+    let body = quote! {
             #uses
             #(#decls)*
             #b_loop
@@ -339,10 +320,10 @@ fn emit_simd(
             } else {
                 let mut tile = [0.0f32; #tile_len];
                 #(#spills)*
-                store_edge(&tile, #cols, c, rs_c, m, n, ep);
+                store_edge(&tile, (#cols, 1), c, rs_c, m, n, ep);
             }
-        }
-    }
+    };
+    kernel_fn(&name, &doc, &attrs, rows, body)
 }
 
 /// A narrow edge kernel: all `mr` rows of the A panel by the first `cols` columns of B, with
@@ -351,7 +332,7 @@ fn emit_simd(
 /// step, not the `nr / 2`-wide half kernel's `mr`. With few columns the accumulators would be
 /// too few to hide the multiply-add latency (8 chains: 4 cycles on two ports), so alternate
 /// K steps go to separate sets of accumulators, summed at the end. The tile goes to C through
-/// the stack and `store_edge_cols`; `rows` as for [`emit_simd`].
+/// the stack and `store_edge` (a tile of columns); `rows` as for [`emit_simd`].
 fn emit_narrow(spec: &GemmSpec, v: &Simd, cols: usize, name: &str, rows: bool) -> TokenStream {
     let (mr, nr, lanes) = (spec.mr, spec.nr, v.lanes);
     let rv = mr / lanes;
@@ -414,11 +395,6 @@ fn emit_narrow(spec: &GemmSpec, v: &Simd, cols: usize, name: &str, rows: bool) -
             let (c, off) = (acc(0, j, r), lit(j * mr + r * lanes));
             quote!(#store(tile.as_mut_ptr().add(#off), #c);)
         });
-    let b_params = if rows {
-        quote!(b_rows: *const *const f32, b_off: usize,)
-    } else {
-        quote!(b: *const f32,)
-    };
     let doc = format!(
         " {mr}x{cols} f32 GEMM edge microkernel ({}), vectorised along the rows: C[m x n] = \
          A-panel · the first {cols} columns of a {nr}-wide B panel over `kc` steps, then the \
@@ -426,20 +402,7 @@ fn emit_narrow(spec: &GemmSpec, v: &Simd, cols: usize, name: &str, rows: bool) -
         spec.isa.suffix()
     );
     let (mr_lit, sets_lit, tile_len) = (lit(mr), lit(sets), lit(mr * cols));
-    quote! {
-        #[doc = #doc]
-        #attrs
-        #[allow(clippy::too_many_arguments)]
-        pub unsafe fn #name(
-            kc: usize,
-            a: *const f32,
-            #b_params
-            c: *mut f32,
-            rs_c: isize,
-            m: usize,
-            n: usize,
-            ep: &GemmEpilogue,
-        ) {
+    let body = quote! {
             #uses
             #(#decls)*
             let (mut a, mut k) = (a, 0);
@@ -456,9 +419,9 @@ fn emit_narrow(spec: &GemmSpec, v: &Simd, cols: usize, name: &str, rows: bool) -
             #(#sums)*
             let mut tile = [0.0f32; #tile_len];
             #(#spills)*
-            crate::gemm::store_edge_cols(&tile, #mr_lit, c, rs_c, m, n, ep);
-        }
-    }
+            store_edge(&tile, (1, #mr_lit), c, rs_c, m, n, ep);
+    };
+    kernel_fn(&name, &doc, &attrs, rows, body)
 }
 
 fn emit_scalar(spec: &GemmSpec) -> TokenStream {
@@ -466,19 +429,7 @@ fn emit_scalar(spec: &GemmSpec) -> TokenStream {
     let doc = doc(spec, spec.mr, spec.nr);
     let tile_len = lit(spec.mr * spec.nr);
     let (mr, nr) = (lit(spec.mr), lit(spec.nr));
-    quote! {
-        #[doc = #doc]
-        #[allow(clippy::too_many_arguments)]
-        pub unsafe fn #name(
-            kc: usize,
-            a: *const f32,
-            b: *const f32,
-            c: *mut f32,
-            rs_c: isize,
-            m: usize,
-            n: usize,
-            ep: &GemmEpilogue,
-        ) {
+    let body = quote! {
             let mut tile = [0.0f32; #tile_len];
             for p in 0..kc {
                 let (ap, bp) = (a.add(p * #mr), b.add(p * #nr));
@@ -489,7 +440,40 @@ fn emit_scalar(spec: &GemmSpec) -> TokenStream {
                     }
                 }
             }
-            store_edge(&tile, #nr, c, rs_c, m, n, ep);
+            store_edge(&tile, (#nr, 1), c, rs_c, m, n, ep);
+    };
+    kernel_fn(&name, &doc, &TokenStream::new(), false, body)
+}
+
+/// A microkernel with the contract's signature: `GemmKernelFn` over a packed B panel, or
+/// with `rows` `GemmRowsFn` over B row pointers (`crate::gemm`'s types), around `body`.
+fn kernel_fn(
+    name: &proc_macro2::Ident,
+    doc: &str,
+    attrs: &TokenStream,
+    rows: bool,
+    body: TokenStream,
+) -> TokenStream {
+    let b_params = if rows {
+        quote!(b_rows: *const *const f32, b_off: usize,)
+    } else {
+        quote!(b: *const f32,)
+    };
+    quote! {
+        #[doc = #doc]
+        #attrs
+        #[allow(clippy::too_many_arguments)]
+        pub unsafe fn #name(
+            kc: usize,
+            a: *const f32,
+            #b_params
+            c: *mut f32,
+            rs_c: isize,
+            m: usize,
+            n: usize,
+            ep: &GemmEpilogue,
+        ) {
+            #body
         }
     }
 }

@@ -105,48 +105,17 @@ impl GemmEpilogue {
     }
 }
 
-/// Stores the edge tile `tile` (rows `ld` apart) into the `m x n` corner of C with the
-/// epilogue, in scalar code. Every generated kernel calls it for partial tiles.
+/// Stores the edge tile `tile`, element (i, j) at `tile[i·rs + j·cs]` (`(rs, 1)` for a
+/// register tile held by rows, `(1, cs)` for one held by columns, as the narrow kernels keep
+/// it), into the `m x n` corner of C with the epilogue, in scalar code. Every generated kernel
+/// calls it for partial tiles.
 ///
 /// # Safety
 /// `c` (and the epilogue's bias and residual) must be valid for `m` rows of stride `rs_c` and
-/// `n` columns, as for the kernel that calls it; `tile` must hold `m` rows of `ld >= n` floats.
+/// `n` columns, as for the kernel that calls it; `tile` must hold every element of that corner.
 pub unsafe fn store_edge(
     tile: &[f32],
-    ld: usize,
-    c: *mut f32,
-    rs_c: isize,
-    m: usize,
-    n: usize,
-    ep: &GemmEpilogue,
-) {
-    store_tile(|i, j| tile[i * ld + j], c, rs_c, m, n, ep)
-}
-
-/// As [`store_edge`] for a tile held by columns (`ld` apart), as the narrow kernels, which
-/// keep a column of C per register, spill it.
-///
-/// # Safety
-/// As [`store_edge`]; `tile` must hold `n` columns of `ld >= m` floats.
-pub unsafe fn store_edge_cols(
-    tile: &[f32],
-    ld: usize,
-    c: *mut f32,
-    rs_c: isize,
-    m: usize,
-    n: usize,
-    ep: &GemmEpilogue,
-) {
-    store_tile(|i, j| tile[j * ld + i], c, rs_c, m, n, ep)
-}
-
-/// C[i][j] = `at(i, j)` (+ C where accumulating, + the epilogue on the last K-block).
-///
-/// # Safety
-/// As [`store_edge`].
-#[inline(always)]
-unsafe fn store_tile(
-    at: impl Fn(usize, usize) -> f32,
+    (rs, cs): (usize, usize),
     c: *mut f32,
     rs_c: isize,
     m: usize,
@@ -156,7 +125,7 @@ unsafe fn store_tile(
     for i in 0..m {
         let row = c.offset(i as isize * rs_c);
         for j in 0..n {
-            let mut v = at(i, j);
+            let mut v = tile[i * rs + j * cs];
             if ep.accumulate {
                 v += *row.add(j);
             }
