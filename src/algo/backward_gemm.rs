@@ -12,7 +12,7 @@
 //!   straight from the input (im2col as the packing step), and the result lands in the OIHW
 //!   gradient directly. Workers own blocks of K columns.
 
-use super::{for_each_worker, SendPtr};
+use super::{copy_run, for_each_worker, zero_run, SendPtr};
 use crate::buffer::AlignedBuf;
 use crate::cpu::generated_layout::Transpose8x8;
 use crate::cpu::{self, Isa};
@@ -511,6 +511,8 @@ pub(crate) struct WeightGradPlan {
     patches: bool,
     /// The tap GEMMs' B operand is the NCHW input's planes ([`reads_planes`]).
     planes: bool,
+    /// The GEMM kernel's panel width.
+    nr: usize,
 }
 
 impl WeightGradPlan {
@@ -536,8 +538,15 @@ impl WeightGradPlan {
         }
     }
 
+    /// A GEMM's packing buffers; for the patch GEMM, room past the B block for one panel's
+    /// columns gathered as rows ([`PatchColsB`]).
     fn per_worker(&self) -> usize {
-        self.blk.a_scratch() + self.blk.b_scratch()
+        let stage = if self.patches {
+            self.blk.kc * self.nr
+        } else {
+            0
+        };
+        self.blk.a_scratch() + self.blk.b_scratch() + stage
     }
 
     /// Whether this plan runs the patch GEMM (else the tap GEMMs).
@@ -574,6 +583,7 @@ impl WeightGrad {
                 transposed: false,
                 patches: true,
                 planes: false,
+                nr,
             };
         }
         // Split the input channels too where groups and taps alone leave workers idle.
@@ -598,6 +608,7 @@ impl WeightGrad {
             transposed,
             patches: false,
             planes: reads_planes(g),
+            nr,
         }
     }
 
@@ -772,6 +783,7 @@ impl WeightGrad {
                     g,
                     grp,
                     col0,
+                    t: self.transpose,
                 };
                 let o = Output {
                     // SAFETY (of the offset): row 0 of the group's gradient, column col0 <
@@ -1050,6 +1062,8 @@ struct PatchColsB<'a> {
     grp: usize,
     /// First column (of the group) of the chunk.
     col0: usize,
+    /// Transposes the gathered rows into panels.
+    t: Transpose8x8,
 }
 
 impl Panels for PatchColsB<'_> {
@@ -1076,46 +1090,67 @@ impl Panels for PatchColsB<'_> {
             Layout::Nchw => g.sw,
             Layout::Nhwc => g.sw * g.c_in,
         };
+        // Each panel's columns are first gathered as rows of `kc` pixels (runs of the input
+        // rows, zeros where the taps read padding) into the scratch past the panels, then
+        // transposed into the panel by 8x8 blocks: writing a column straight into a panel is
+        // a store every `r` floats, one value at a time.
+        let (dst, stage) = dst.split_at_mut(len.div_ceil(r) * kc * r);
+        let stage = &mut stage[..r * kc];
+        // The first output pixel's row and column.
+        let (oy0, ox0) = (k0 / g.ow, k0 % g.ow);
         for q in 0..len.div_ceil(r) {
-            let panel = &mut dst[q * kc * r..][..kc * r];
             let cols = r.min(len - q * r);
-            for j in 0..cols {
-                let col = self.col0 + start + q * r + j;
-                let (c, tap) = (self.grp * g.cin_g() + col / taps, col % taps);
-                let (ky, kx) = (tap / g.kw, tap % g.kw);
+            // Column (channel, tap): counted up column by column, not divided out each time.
+            let col = self.col0 + start + q * r;
+            let (mut c, tap) = (self.grp * g.cin_g() + col / taps, col % taps);
+            let (mut ky, mut kx) = (tap / g.kw, tap % g.kw);
+            for row in stage.chunks_exact_mut(kc).take(cols) {
                 let off = (kx * g.dw) as isize - g.pad_left as isize;
                 let xs = inside(g.sw, off, w, g.ow);
-                // Output pixels k0..k0+kc, a run of one output row at a time.
-                let (mut oy, mut ox, mut kk) = (k0 / g.ow, k0 % g.ow, 0);
+                // Output pixels k0..k0+kc, a run of one output row at a time: zeros left of
+                // the inside columns, the values read `step` apart, zeros right of them.
+                let (mut oy, mut ox, mut kk) = (oy0, ox0, 0);
                 while kk < kc {
                     let run = (g.ow - ox).min(kc - kk);
                     let iy = (oy * g.sh + ky * g.dh) as isize - g.pad_top as isize;
-                    let steps = panel[kk * r + j..].iter_mut().step_by(r).take(run);
-                    if iy < 0 || iy as usize >= h || xs.is_empty() {
-                        steps.for_each(|v| *v = 0.0);
+                    let (lo, hi) = if iy < 0 || iy as usize >= h {
+                        (ox + run, ox + run)
                     } else {
-                        // Inside columns read `step` apart from the first inside one.
-                        let first = xs.start;
-                        let base = at(
-                            c,
-                            iy as usize,
-                            (first as isize * g.sw as isize + off) as usize,
-                        );
-                        for (t, v) in steps.enumerate() {
-                            let o = ox + t;
-                            *v = if xs.contains(&o) {
-                                self.x[base + (o - first) * step]
-                            } else {
-                                0.0
-                            };
+                        let lo = xs.start.clamp(ox, ox + run);
+                        (lo, xs.end.clamp(lo, ox + run))
+                    };
+                    let seg = &mut row[kk..][..run];
+                    let (zeros, rest) = seg.split_at_mut(lo - ox);
+                    let (vals, tail) = rest.split_at_mut(hi - lo);
+                    zero_run(zeros);
+                    zero_run(tail);
+                    if hi > lo {
+                        let ix = (lo as isize * g.sw as isize + off) as usize;
+                        let src = &self.x[at(c, iy as usize, ix)..];
+                        if step == 1 {
+                            copy_run(vals, &src[..vals.len()]);
+                        } else {
+                            vals.iter_mut()
+                                .zip(src.iter().step_by(step))
+                                .for_each(|(v, &x)| *v = x);
                         }
                     }
                     (kk, ox, oy) = (kk + run, 0, oy + 1);
                 }
+                kx += 1;
+                if kx == g.kw {
+                    (kx, ky) = (0, ky + 1);
+                    if ky == g.kh {
+                        (ky, c) = (0, c + 1);
+                    }
+                }
             }
-            if cols < r {
-                panel.chunks_exact_mut(r).for_each(|s| s[cols..].fill(0.0));
-            }
+            let rows = RowMajorA {
+                data: stage,
+                ld: kc,
+                transpose: self.t,
+            };
+            rows.panels(0, cols, 0, kc, r, &mut dst[q * kc * r..][..kc * r]);
         }
         (dst.as_ptr(), kc * r)
     }
