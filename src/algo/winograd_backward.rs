@@ -713,8 +713,7 @@ fn collapse_by<const FMA: bool, const T: usize, const L: usize>(
         }
         3
     };
-    // OIHW: channel c+i's taps are contiguous. Constant trip counts, `add` hoisted: the
-    // compiler unrolls this transpose into plain moves.
+    // OIHW: channel c+i's taps are contiguous.
     let dst = &mut dw[c * taps..][..L * taps];
     if let Some(tr) = tr.filter(|_| L == 16) {
         // The sums as `taps` rows of 16 channels, transposed into 16 rows of `taps`: one masked
@@ -734,6 +733,7 @@ fn collapse_by<const FMA: bool, const T: usize, const L: usize>(
         }
         return;
     }
+    // Constant trip counts, `add` hoisted: the compiler unrolls this transpose into moves.
     match (taps, add) {
         (9, false) => store_taps::<L, 9, false>(res, dst),
         (9, true) => store_taps::<L, 9, true>(res, dst),
