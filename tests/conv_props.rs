@@ -140,8 +140,9 @@ proptest! {
     }
 }
 
-/// Shapes that cross every blocking boundary of the GEMM driver: K > 256 (several K-blocks),
-/// M > 144 (several M-blocks), more than 512 pixels (several N-blocks), both layouts; and
+/// Shapes that cross every blocking boundary of the GEMM driver: K > 256 (several K-blocks of
+/// packed panels) and K > 512 (several K-blocks read through row pointers, as AMD CPUs block
+/// them), M > 144 (several M-blocks), more than 512 pixels (several N-blocks), both layouts; and
 /// 45x45 images, whose im2col items at two threads are cut four ways along the pixels with a
 /// ragged last piece (the unit test in `im2col_gemm.rs` pins that cut).
 #[test]
@@ -153,6 +154,8 @@ fn blocking_boundaries_match_reference() {
         (Layout::Nhwc, 8, 20, 45, 3),
         (Layout::Nchw, 300, 20, 24, 1),
         (Layout::Nhwc, 300, 20, 24, 1),
+        (Layout::Nchw, 72, 20, 14, 3),
+        (Layout::Nchw, 600, 20, 12, 1),
     ] {
         let p = ConvParams::conv2d(cin, cout, [k, k])
             .with_padding(Padding::Same)

@@ -21,10 +21,7 @@ use super::{copy_run, for_each_item_claimed, zero_run, SendPtr};
 use crate::buffer::AlignedBuf;
 use crate::cpu::{self, Isa};
 use crate::gemm::pack::{prepack, prepacked_len, Prepacked};
-use crate::gemm::{
-    gemm, BBlock, BlockB, Blocking, GemmKernel, Output, Panels, L1_PANEL_BYTES, NC_MAX,
-    ROW_PANEL_BYTES,
-};
+use crate::gemm::{gemm, BBlock, BlockB, Blocking, GemmKernel, Output, Panels, NC_MAX};
 use crate::params::{mul, Geometry};
 use crate::{Activation, ConvParams, Layout, Result};
 
@@ -161,11 +158,12 @@ impl Im2colGemm {
             Layout::Nchw => (C_BLOCK_FLOATS / mchunk.max(1)).clamp(4 * nr, NC_MAX),
             Layout::Nhwc => NC_MAX,
         };
-        let panel_bytes = match self.layout {
-            Layout::Nchw if self.kern.rows.is_some() => ROW_PANEL_BYTES,
-            _ => L1_PANEL_BYTES,
+        let blk = match self.layout {
+            Layout::Nchw if self.kern.rows.is_some() => {
+                Blocking::for_rows(self.kern, self.k, nc.min(nchunk), align)
+            }
+            _ => Blocking::new(self.kern, self.k, nc.min(nchunk), align),
         };
-        let blk = Blocking::with_panel_bytes(self.kern, self.k, nc.min(nchunk), align, panel_bytes);
         let scratch_per_worker = match self.layout {
             Layout::Nchw => Im2colNchw::scratch(g, blk.kc, blk.nc, nr),
             Layout::Nhwc => blk.a_scratch(),

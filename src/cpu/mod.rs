@@ -400,6 +400,25 @@ fn detect_l2() -> Option<usize> {
     None
 }
 
+/// True on an AMD CPU, whose row-pointer GEMM blocks were measured to want other sizes than
+/// Intel's (see `gemm::row_panel_bytes`); read once.
+pub(crate) fn is_amd() -> bool {
+    static AMD: OnceLock<bool> = OnceLock::new();
+    *AMD.get_or_init(detect_amd)
+}
+
+#[cfg(target_arch = "x86_64")]
+fn detect_amd() -> bool {
+    raw_cpuid::CpuId::new()
+        .get_vendor_info()
+        .is_some_and(|v| v.as_str() == "AuthenticAMD")
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn detect_amd() -> bool {
+    false
+}
+
 /// The f32 GEMM microkernel for `isa` (every ISA has one: the generator's table says so, and a
 /// test checks it).
 pub(crate) fn gemm_f32(isa: Isa) -> &'static crate::gemm::GemmKernel {

@@ -156,19 +156,36 @@ pub(crate) struct Blocking {
 /// BLIS's rule of thumb is half of L1; measured on Zen 4 (32 KiB L1), AVX-512's 32-wide panels
 /// do a little better with K-blocks of 256 (the whole L1) than of 128, as fewer K-blocks mean
 /// fewer passes over C. Capped by `KC_MAX`.
-pub(crate) const L1_PANEL_BYTES: usize = 32 * 1024;
+const L1_PANEL_BYTES: usize = 32 * 1024;
 /// As [`L1_PANEL_BYTES`] for a B block read through row pointers (im2col's shifted copies,
-/// a 1x1 convolution's input channels): its rows are not packed side by side, so a K-step
-/// spans two or three cache lines where a packed panel's spans two, and a rows block of 256
-/// steps no longer fits L1 beside the A stream. Measured on Sapphire Rapids (48 KiB L1,
-/// `convkit bench --algorithm im2col_gemm`, 1 thread, 9 interleaved rounds): K-blocks of 192
-/// (24 KiB) ran the 1x1 and strided layers 1.07-1.2x faster than 256, and resnet50_l2_3x3
-/// 1.02x; the packed Winograd GEMMs ran 4-20% slower with them, so they keep 256. AVX2's
-/// 16-wide panels still get 256 steps; Zen 4 was not measured with 192.
-pub(crate) const ROW_PANEL_BYTES: usize = 24 * 1024;
-/// Longest K-block: 256 steps (AVX2's 6x16 panel then fills half of L1). The driver keeps
-/// one B row pointer per step on the stack.
+/// a 1x1 convolution's input channels), where the CPU was measured to want it
+/// ([`row_panel_bytes`]). Its rows are not packed side by side, so a K-step spans two or
+/// three cache lines where a packed panel's spans two. On Sapphire Rapids (48 KiB L1,
+/// `convkit bench --algorithm im2col_gemm`, 1 thread, 9 interleaved rounds) K-blocks of 192
+/// steps (24 KiB) ran the 1x1 and strided layers 1.07-1.2x faster than 256, and
+/// resnet50_l2_3x3 1.02x.
+const ROW_PANEL_BYTES: usize = 24 * 1024;
+/// The same on AMD: Zen 4 (32 KiB L1, 1 MiB L2) ran K-blocks of up to 512 steps (64 KiB, so
+/// the B rows come from L2, whose latency the out-of-order window hides, and C is read and
+/// written half as often) faster than 171-256: forced im2col, 5-7 interleaved rounds, one
+/// thread: the stride-1 3x3 layers 1.02-1.04x, inception_5x5 1.03x, whisper_tiny_conv2_s2
+/// 1.04x, resnet50_l4_3x3 1.08-1.11x, the 1x1 layers 0.99-1.04x; two threads 0.97-1.16x.
+const ROW_PANEL_BYTES_AMD: usize = 64 * 1024;
+/// Longest K-block of packed panels: 256 steps (AVX2's 6x16 panel then fills half of L1).
 const KC_MAX: usize = 256;
+/// Longest K-block read through row pointers; the driver keeps one pointer per step on the
+/// stack.
+const ROWS_KC_MAX: usize = 512;
+
+/// The bytes a B block read through row pointers may span per micro-panel on this CPU (see
+/// [`ROW_PANEL_BYTES`] and [`ROW_PANEL_BYTES_AMD`]).
+pub(crate) fn row_panel_bytes() -> usize {
+    if crate::cpu::is_amd() {
+        ROW_PANEL_BYTES_AMD
+    } else {
+        ROW_PANEL_BYTES
+    }
+}
 /// A block `mc x kc` stays in L2 (512 KiB on Zen 3, 1 MiB on Zen 4, 1–2 MiB on recent Intel).
 const MC_TARGET: usize = 144;
 
@@ -186,19 +203,26 @@ impl Blocking {
     /// short remainder, and each a multiple of `align` where that fits (im2col blocks that
     /// hold whole input channels).
     pub(crate) fn new(kern: &GemmKernel, k: usize, nc: usize, align: usize) -> Blocking {
-        Self::with_panel_bytes(kern, k, nc, align, L1_PANEL_BYTES)
+        Self::with_panel_bytes(kern, k, nc, align, L1_PANEL_BYTES, KC_MAX)
+    }
+
+    /// As [`Blocking::new`] for a B operand read through row pointers (see
+    /// [`row_panel_bytes`]).
+    pub(crate) fn for_rows(kern: &GemmKernel, k: usize, nc: usize, align: usize) -> Blocking {
+        Self::with_panel_bytes(kern, k, nc, align, row_panel_bytes(), ROWS_KC_MAX)
     }
 
     /// As [`Blocking::new`], with K-blocks whose `kc x nr` B micro-panel fills at most
-    /// `panel_bytes`.
-    pub(crate) fn with_panel_bytes(
+    /// `panel_bytes`, and at most `kc_max` steps.
+    fn with_panel_bytes(
         kern: &GemmKernel,
         k: usize,
         nc: usize,
         align: usize,
         panel_bytes: usize,
+        kc_max: usize,
     ) -> Blocking {
-        let kc_max = (panel_bytes / (4 * kern.nr)).clamp(64, KC_MAX);
+        let kc_max = (panel_bytes / (4 * kern.nr)).clamp(64, kc_max);
         let kc = if align > 1 && align <= kc_max && k.is_multiple_of(align) {
             let units = k / align;
             units.div_ceil(units.div_ceil(kc_max / align)) * align
@@ -316,7 +340,7 @@ pub(crate) unsafe fn gemm<A: Panels, B: BlockB>(
     } else {
         blk.nc
     };
-    let mut rows = [std::ptr::null::<f32>(); KC_MAX];
+    let mut rows = [std::ptr::null::<f32>(); ROWS_KC_MAX];
     // The row variants (full, half-width); B rows are offered to `block` only when they exist.
     let row_fns = kern.rows.map(|full| (full, kern.half_rows.unwrap_or(full)));
     for jc in (0..n).step_by(nc) {
@@ -325,7 +349,7 @@ pub(crate) unsafe fn gemm<A: Panels, B: BlockB>(
         while pc < k {
             let kc = blk.kc.min(k - pc);
             let last = pc + kc == k;
-            let offer = row_fns.is_some() && kc <= KC_MAX;
+            let offer = row_fns.is_some() && kc <= ROWS_KC_MAX;
             let b_block = b.block(jc, ncur, pc, kc, nr, b_buf, offer.then_some(&mut rows[..]));
             for ic in (0..m).step_by(blk.mc) {
                 let mcur = blk.mc.min(m - ic);
