@@ -130,7 +130,13 @@ impl Conv2d {
                     detail: format!("a {family:?} kernel does not run algorithm {a}"),
                 })
             }
-            (None, a) => a.unwrap_or_else(|| choose(&params, isa, options.precision)),
+            (None, a) => a.unwrap_or_else(|| {
+                let threads = match options.threads {
+                    0 => crate::algo::current_num_threads(),
+                    t => t,
+                };
+                choose(&params, isa, options.precision, threads)
+            }),
         };
         // A forced 16-bit depthwise kernel forces its f32 twin (same ISA, layout and shape):
         // 16-bit runs take the twin's 16-bit kernel, which is the forced one.
@@ -269,11 +275,12 @@ impl Conv2d {
 ///   per group has nothing to reuse;
 /// - NCHW grouped convolutions with few channels a group, and stems with at most 4 input
 ///   channels, run the direct kernels where the generator made one for their shape: GEMM
-///   reuses too little there (measured in `convkit bench`, see the README's table);
+///   reuses too little there (measured in `convkit bench`, see the README's table); stride-4
+///   stems only on several threads at AVX-512 (see `direct_stride4`);
 /// - 3x3 and 1x3 stride-1 convolutions with at least 16 input channels a group run Winograd
 ///   (unless `Precision::Exact`): 1.7-3.3x GEMM's speed on the suite's 3x3 layers;
 /// - everything else runs im2col + GEMM, which takes every shape.
-fn choose(params: &ConvParams, isa: Isa, precision: Precision) -> Algorithm {
+fn choose(params: &ConvParams, isa: Isa, precision: Precision, threads: usize) -> Algorithm {
     let grouped = params.groups > 1 && params.groups < params.in_channels;
     let few_channels = params.in_channels_per_group() <= DIRECT_MAX_CIN;
     // One input channel is "depthwise" too, but with many outputs per channel (wav2vec2's
@@ -288,14 +295,22 @@ fn choose(params: &ConvParams, isa: Isa, precision: Precision) -> Algorithm {
         Algorithm::Winograd
     } else if (grouped || params.groups == 1)
         && few_channels
-        // Stride 4 (the 4x4 patchify stem) ties with GEMM at AVX-512 and loses at AVX2.
-        && params.stride[0] <= 2
+        && (params.stride[0] <= 2 || direct_stride4(isa, threads))
         && Direct::rejects(params, isa).is_none()
     {
         Algorithm::Direct
     } else {
         Algorithm::Im2colGemm
     }
+}
+
+/// Whether stride-4 stems (ConvNeXt's 4x4 patchify) run the direct kernel. Measured on
+/// convnext_t_stem_4x4s4 (`convkit bench`, 7-9 interleaved rounds, GFLOP/s im2col+GEMM /
+/// direct): AVX-512, one thread 89.5 / 85.3, so GEMM keeps it; two threads 145 / 170 (three
+/// runs, 1.15-1.17x), as GEMM's items of a few hundred pixels, 48 steps deep, scale only 1.6x.
+/// AVX2: GEMM wins at both, 50.5 / 46.4 and 105 / 62.
+fn direct_stride4(isa: Isa, threads: usize) -> bool {
+    isa == Isa::Avx512 && threads > 1
 }
 
 /// The most input channels per group the choice sends to the direct kernels. Measured with
@@ -432,5 +447,20 @@ impl Conv1d {
     /// The 2-D convolution underneath.
     pub fn as_conv2d(&self) -> &Conv2d {
         &self.conv
+    }
+}
+
+#[cfg(all(test, target_arch = "x86_64", feature = "avx512"))]
+mod tests {
+    use super::*;
+
+    /// The patchify stem's choice depends on the thread count at AVX-512 only.
+    #[test]
+    fn stride4_stem_runs_direct_on_several_threads_at_avx512() {
+        let stem = ConvParams::conv2d(3, 96, [4, 4]).with_stride([4, 4]);
+        let pick = |isa, threads| choose(&stem, isa, Precision::default(), threads);
+        assert_eq!(pick(Isa::Avx512, 1), Algorithm::Im2colGemm);
+        assert_eq!(pick(Isa::Avx512, 2), Algorithm::Direct);
+        assert_eq!(pick(Isa::Avx2, 2), Algorithm::Im2colGemm);
     }
 }
