@@ -170,6 +170,12 @@ const ROW_PANEL_BYTES: usize = 24 * 1024;
 /// written half as often) faster than 171-256: forced im2col, 5-7 interleaved rounds, one
 /// thread: the stride-1 3x3 layers 1.02-1.04x, inception_5x5 1.03x, whisper_tiny_conv2_s2
 /// 1.04x, resnet50_l4_3x3 1.08-1.11x, the 1x1 layers 0.99-1.04x; two threads 0.97-1.16x.
+/// The price: each register sums up to 512 products before adding into C, and a sequential
+/// sum's rounding grows with its length, so the results carry about √(kc ratio) more of it
+/// (the suite's largest errors on this path went from 4-10e-5 to 6-12e-5: 1.2-1.7x, still
+/// within the tests' √K tolerance). The same depth for the Winograd GEMMs (resnet50_l4_3x3
+/// 1.12x) was left out: it took F(4,3) and F(6,3) over their documented bounds at 512
+/// channels.
 const ROW_PANEL_BYTES_AMD: usize = 64 * 1024;
 /// Longest K-block of packed panels: 256 steps (AVX2's 6x16 panel then fills half of L1).
 const KC_MAX: usize = 256;
