@@ -76,13 +76,6 @@ fn inner_options(o: &Options) -> Options {
     }
 }
 
-fn workers(threads: usize) -> usize {
-    match threads {
-        0 => crate::algo::current_num_threads(),
-        t => t,
-    }
-}
-
 impl DataPass {
     /// `fwd`: the forward convolution whose backward-data pass this is (its activation is
     /// ignored). `stride1_pads`: at stride 1, the padding (top, bottom, left, right) the
@@ -170,7 +163,7 @@ impl DataPass {
 
     /// `g`: the forward geometry (`h x w` the gradient's size, `oh x ow` the output's).
     fn plan(&self, g: &Geometry) -> Result<DataPlan> {
-        let threads = workers(self.threads);
+        let threads = crate::algo::workers(self.threads);
         Ok(match &self.path {
             DataPath::Forward(conv) => {
                 let all = conv.plan(g.batch, g.oh, g.ow)?;
@@ -394,17 +387,19 @@ impl ConvBackward {
         let data = inner.data.plan(&geometry)?;
         let weights = match &inner.weights {
             WeightPath::Gemm(w, wino) => {
-                let threads = workers(inner.threads);
+                let threads = crate::algo::workers(inner.threads);
                 match wino.as_ref().and_then(|wg| wg.plan(&geometry, threads)) {
                     Some(p) => WeightPlan::Winograd(p),
                     None => WeightPlan::Gemm(w.plan(&geometry, threads)),
                 }
             }
             WeightPath::Direct(d) => {
-                WeightPlan::Depthwise(d.plan(&geometry, workers(inner.threads)))
+                WeightPlan::Depthwise(d.plan(&geometry, crate::algo::workers(inner.threads)))
             }
             WeightPath::Depthwise => match &inner.data.depthwise {
-                Some(d) => WeightPlan::Depthwise(d.plan(&geometry, workers(inner.threads))),
+                Some(d) => {
+                    WeightPlan::Depthwise(d.plan(&geometry, crate::algo::workers(inner.threads)))
+                }
                 None => unreachable!("depthwise weights are packed for depthwise convolutions"),
             },
         };

@@ -131,11 +131,8 @@ impl Conv2d {
                 })
             }
             (None, a) => a.unwrap_or_else(|| {
-                let threads = match options.threads {
-                    0 => crate::algo::current_num_threads(),
-                    t => t,
-                };
-                choose(&params, isa, options.precision, threads)
+                let parallel = crate::algo::parallel_workers(options.threads);
+                choose(&params, isa, options.precision, parallel)
             }),
         };
         // A forced 16-bit depthwise kernel forces its f32 twin (same ISA, layout and shape):
@@ -244,10 +241,7 @@ impl Conv2d {
     /// Fixes the input size: output shape, tiling, workspace size.
     pub fn plan(&self, batch: usize, in_h: usize, in_w: usize) -> Result<Plan> {
         let geometry = self.inner.params.geometry(batch, in_h, in_w)?;
-        let threads = match self.inner.threads {
-            0 => crate::algo::current_num_threads(),
-            t => t,
-        };
+        let threads = crate::algo::workers(self.inner.threads);
         let plan_algo = |g: &Geometry| match &self.inner.packed {
             Packed::Im2colGemm(a) => AlgoPlan::Im2colGemm(a.plan(g, threads)),
             Packed::Depthwise(a) => AlgoPlan::Depthwise(a.plan(g, threads)),
@@ -280,6 +274,8 @@ impl Conv2d {
 /// - 3x3 and 1x3 stride-1 convolutions with at least 16 input channels a group run Winograd
 ///   (unless `Precision::Exact`): 1.7-3.3x GEMM's speed on the suite's 3x3 layers;
 /// - everything else runs im2col + GEMM, which takes every shape.
+///
+/// `threads` is how many workers run at the same time.
 fn choose(params: &ConvParams, isa: Isa, precision: Precision, threads: usize) -> Algorithm {
     let grouped = params.groups > 1 && params.groups < params.in_channels;
     let few_channels = params.in_channels_per_group() <= DIRECT_MAX_CIN;
@@ -306,9 +302,9 @@ fn choose(params: &ConvParams, isa: Isa, precision: Precision, threads: usize) -
 
 /// Whether stride-4 stems (ConvNeXt's 4x4 patchify) run the direct kernel. Measured on
 /// convnext_t_stem_4x4s4 (`convkit bench`, 7-9 interleaved rounds, GFLOP/s im2col+GEMM /
-/// direct): AVX-512, one thread 89.5 / 85.3, so GEMM keeps it; two threads 145 / 170 (three
-/// runs, 1.15-1.17x), as GEMM's items of a few hundred pixels, 48 steps deep, scale only 1.6x.
-/// AVX2: GEMM wins at both, 50.5 / 46.4 and 105 / 62.
+/// direct): AVX-512, one thread 89.5 / 85.3, so GEMM keeps it; two threads 145 / 170 (direct
+/// 1.15-1.17x in three of four A/B runs, 2.2x in the other), as GEMM's items of a few hundred
+/// pixels, 48 steps deep, scale only 1.6x. AVX2: GEMM wins at both, 50.5 / 46.4 and 105 / 62.
 fn direct_stride4(isa: Isa, threads: usize) -> bool {
     isa == Isa::Avx512 && threads > 1
 }

@@ -458,10 +458,7 @@ impl QConv2d {
     /// Fixes the input size: output shape, tiling, workspace size.
     pub fn plan(&self, batch: usize, in_h: usize, in_w: usize) -> Result<QPlan> {
         let geometry = self.inner.params.geometry(batch, in_h, in_w)?;
-        let threads = match self.inner.threads {
-            0 => crate::algo::current_num_threads(),
-            t => t,
-        };
+        let threads = crate::algo::workers(self.inner.threads);
         let flip = self.inner.quant.input_type == QuantType::I8;
         let algo = match &self.inner.algo {
             QAlgo::Gemm(a) => QAlgoPlan::Gemm(a.plan(&geometry, threads, flip)),

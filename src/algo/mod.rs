@@ -179,6 +179,24 @@ pub(crate) fn current_num_threads() -> usize {
     }
 }
 
+/// The workers `Options::threads` asks for: `threads`, or [`current_num_threads`] for 0.
+pub(crate) fn workers(threads: usize) -> usize {
+    match threads {
+        0 => current_num_threads(),
+        t => t,
+    }
+}
+
+/// The workers that run at the same time for `Options::threads`: [`workers`], or 1 in a build
+/// without the `threads` feature, whose work shares run one after another.
+pub(crate) fn parallel_workers(threads: usize) -> usize {
+    if cfg!(feature = "threads") {
+        workers(threads)
+    } else {
+        1
+    }
+}
+
 /// Runs `items` numbered work items on `workers` workers, each a contiguous range of them: on
 /// the caller's thread alone for one worker, else on the current rayon pool (or, in a build
 /// without the `threads` feature, one worker after another on the caller's thread). Each
@@ -263,5 +281,20 @@ fn workers_run(
                 .enumerate()
                 .for_each(|(w, s)| range(w).for_each(|i| item(s, i)));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The choice of algorithm counts only workers that run together: none beyond the caller
+    /// in a build without rayon, however many shares a plan makes.
+    #[test]
+    fn parallel_workers_are_the_threads_that_run_together() {
+        assert_eq!(workers(3), 3);
+        assert_eq!(workers(0), current_num_threads());
+        let expected = if cfg!(feature = "threads") { 3 } else { 1 };
+        assert_eq!(parallel_workers(3), expected);
     }
 }

@@ -718,16 +718,19 @@ fn collapse_by<const FMA: bool, const T: usize, const L: usize>(
     if let Some(tr) = tr.filter(|_| L == 16) {
         // The sums as `taps` rows of 16 channels, transposed into 16 rows of `taps`: one masked
         // 16x16 transpose instead of a value at a time.
-        // SAFETY: `res` is `taps <= 9` rows of L = 16 floats, 16 apart; `to` (`rows`, or `dst`:
-        // L * taps floats) holds 16 rows of `taps` floats, `taps` apart; the caller passes a
-        // transpose only where the CPU has its ISA.
-        let transpose = |to: *mut f32| unsafe { tr(res.as_ptr().cast(), L, to, taps, taps, L) };
+        let transpose = |to: &mut [f32]| {
+            assert!(to.len() >= L * taps && taps <= 9);
+            // SAFETY: `res` is `taps <= 9` rows of L = 16 floats, 16 apart; `to` holds 16 rows
+            // of `taps` floats, `taps` apart (checked above); the caller passes a transpose
+            // only where the CPU has its ISA.
+            unsafe { tr(res.as_ptr().cast(), L, to.as_mut_ptr(), taps, taps, L) }
+        };
         if add {
             let mut rows = [0.0f32; 16 * 9];
-            transpose(rows.as_mut_ptr());
+            transpose(&mut rows);
             dst.iter_mut().zip(&rows).for_each(|(d, &v)| *d += v);
         } else {
-            transpose(dst.as_mut_ptr());
+            transpose(dst);
         }
         return;
     }

@@ -167,13 +167,15 @@ const L1_PANEL_BYTES: usize = 32 * 1024;
 const ROW_PANEL_BYTES: usize = 24 * 1024;
 /// The same on AMD: Zen 4 (32 KiB L1, 1 MiB L2) ran K-blocks of up to 512 steps (64 KiB, so
 /// the B rows come from L2, whose latency the out-of-order window hides, and C is read and
-/// written half as often) faster than 171-256: forced im2col, 5-7 interleaved rounds, one
-/// thread: the stride-1 3x3 layers 1.02-1.04x, inception_5x5 1.03x, whisper_tiny_conv2_s2
-/// 1.04x, resnet50_l4_3x3 1.08-1.11x, the 1x1 layers 0.99-1.04x; two threads 0.97-1.16x.
-/// The price: each register sums up to 512 products before adding into C, and a sequential
-/// sum's rounding grows with its length, so the results carry about √(kc ratio) more of it
-/// (the suite's largest errors on this path went from 4-10e-5 to 6-12e-5: 1.2-1.7x, still
-/// within the tests' √K tolerance). The same depth for the Winograd GEMMs (resnet50_l4_3x3
+/// written in fewer passes) faster than 171-256: forced im2col, one thread, 5 interleaved
+/// rounds in the sweep: resnet50_l1/l2/l3_3x3 1.02-1.03x, inception_5x5 1.03x,
+/// whisper_tiny_conv2_s2 1.04x, the 1x1 layers 0.99-1.04x; 7 rounds, final binary against
+/// the one before: l2_3x3 1.02x, inception 1.02x, whisper 1.015x, l1_1x1_reduce 1.025x,
+/// l4_3x3 and yolo_3x3s2_160 1.00x; two threads 0.97-1.16x (noisy). The price: each register
+/// sums up to 512 products before adding into C, and a sequential sum's rounding grows with
+/// its length, so the results carry about √(kc ratio) more of it (the largest errors of six
+/// suite layers on this path went from 4-10e-5 to 6-12e-5: 1.2-1.7x, still within the tests'
+/// √K tolerance). The same depth for the Winograd GEMMs (resnet50_l4_3x3
 /// 1.12x) was left out: it took F(4,3) and F(6,3) over their documented bounds at 512
 /// channels.
 const ROW_PANEL_BYTES_AMD: usize = 64 * 1024;
@@ -192,6 +194,7 @@ pub(crate) fn row_panel_bytes() -> usize {
         ROW_PANEL_BYTES
     }
 }
+
 /// A block `mc x kc` stays in L2 (512 KiB on Zen 3, 1 MiB on Zen 4, 1–2 MiB on recent Intel).
 const MC_TARGET: usize = 144;
 
