@@ -39,17 +39,21 @@ pub fn emit_all(specs: &[GemmSpec]) -> TokenStream {
                 Some(_) => some(format!("{}_rows", half_name(s))),
                 None => quote!(None),
             };
-            let short = if short_rows(s).is_some() {
-                some(format!("{}_short", s.name()))
+            let (short, short_a_rows) = if short_rows(s).is_some() {
+                (
+                    some(format!("{}_short", s.name())),
+                    some(format!("{}_short_arows", s.name())),
+                )
             } else {
-                quote!(None)
+                (quote!(None), quote!(None))
             };
+            let a_rows = format_ident!("{}_arows", s.name());
             let narrow = narrow_cols(s).into_iter().map(|cols| {
                 let name = narrow_name(s, cols);
                 let (func, rows) = (format_ident!("{}", name), format_ident!("{}_rows", name));
                 quote!(crate::gemm::NarrowGemm { cols: #cols, func: #func, rows: #rows },)
             });
-            let fields = quote!(mr: #mr, nr: #nr, half: #half, short: #short, rows: #rows, half_rows: #half_rows, narrow: &[#(#narrow)*],);
+            let fields = quote!(mr: #mr, nr: #nr, half: #half, short: #short, rows: #rows, half_rows: #half_rows, a_rows: #a_rows, short_a_rows: #short_a_rows, narrow: &[#(#narrow)*],);
             registry_entry(&s.name(), s.isa, fields)
         })
         .collect();
@@ -111,51 +115,64 @@ fn half_name(spec: &GemmSpec) -> String {
 }
 
 fn emit_kernel(spec: &GemmSpec) -> TokenStream {
-    match simd(spec.isa) {
-        None => emit_scalar(spec),
-        Some(v) => {
-            let mut out = TokenStream::new();
-            for rows in [false, true] {
-                let suffix = if rows { "_rows" } else { "" };
-                out.extend(emit_simd(
-                    spec,
-                    &v,
-                    spec.nr,
-                    &format!("{}{suffix}", spec.name()),
-                    rows,
-                    spec.mr,
-                ));
-                if let Some(cols) = half_width(spec) {
-                    out.extend(emit_simd(
-                        spec,
-                        &v,
-                        cols,
-                        &format!("{}{suffix}", half_name(spec)),
-                        rows,
-                        spec.mr,
-                    ));
-                }
+    let Some(v) = simd(spec.isa) else {
+        let mut out = emit_scalar(spec, Feed::Packed);
+        out.extend(emit_scalar(spec, Feed::ARows));
+        return out;
+    };
+    let mut out = TokenStream::new();
+    for feed in [Feed::Packed, Feed::BRows] {
+        let name = format!("{}{}", spec.name(), feed.suffix());
+        out.extend(emit_simd(spec, &v, spec.nr, &name, feed, spec.mr));
+        if let Some(cols) = half_width(spec) {
+            let name = format!("{}{}", half_name(spec), feed.suffix());
+            out.extend(emit_simd(spec, &v, cols, &name, feed, spec.mr));
+        }
+    }
+    let name = format!("{}{}", spec.name(), Feed::ARows.suffix());
+    out.extend(emit_simd(spec, &v, spec.nr, &name, Feed::ARows, spec.mr));
+    if let Some(m) = short_rows(spec) {
+        for feed in [Feed::Packed, Feed::ARows] {
+            let name = format!("{}_short{}", spec.name(), feed.suffix());
+            out.extend(emit_simd(spec, &v, spec.nr, &name, feed, m));
+        }
+    }
+    if let Some(nv) = narrow_simd(spec) {
+        for cols in narrow_cols(spec) {
+            for feed in [Feed::Packed, Feed::BRows] {
+                let name = format!("{}{}", narrow_name(spec, cols), feed.suffix());
+                out.extend(emit_narrow(spec, &nv, cols, &name, feed));
             }
-            if let Some(m) = short_rows(spec) {
-                let name = format!("{}_short", spec.name());
-                out.extend(emit_simd(spec, &v, spec.nr, &name, false, m));
-            }
-            if let Some(nv) = narrow_simd(spec) {
-                for cols in narrow_cols(spec) {
-                    for rows in [false, true] {
-                        let suffix = if rows { "_rows" } else { "" };
-                        let name = format!("{}{suffix}", narrow_name(spec, cols));
-                        out.extend(emit_narrow(spec, &nv, cols, &name, rows));
-                    }
-                }
-            }
-            out
+        }
+    }
+    out
+}
+
+/// Where a kernel reads its operands from.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Feed {
+    /// Packed panels: A `kc` columns of `mr` values, B `kc` rows of `nr` values.
+    Packed,
+    /// A packed; B step `k` is the row at `b_rows[k] + b_off` (a shifted copy of the input,
+    /// so the B panel needs no packing at all).
+    BRows,
+    /// B packed; A row `i` is `kc` contiguous floats at `a + i*rs_a` (Winograd's transformed
+    /// tiles, written there by the input transform, so the A panel needs no transposing).
+    ARows,
+}
+
+impl Feed {
+    fn suffix(self) -> &'static str {
+        match self {
+            Feed::Packed => "",
+            Feed::BRows => "_rows",
+            Feed::ARows => "_arows",
         }
     }
 }
 
 /// The rustdoc of a kernel computing `rows` of the `mr` rows and `cols` of the `nr` columns.
-fn doc(spec: &GemmSpec, rows: usize, cols: usize) -> String {
+fn doc(spec: &GemmSpec, rows: usize, cols: usize, feed: Feed) -> String {
     let what = if rows < spec.mr {
         format!(
             "{rows}x{} f32 GEMM edge microkernel: the first {rows} rows of {}-row A panels",
@@ -169,29 +186,35 @@ fn doc(spec: &GemmSpec, rows: usize, cols: usize) -> String {
     } else {
         format!("{}x{} f32 GEMM microkernel", spec.mr, spec.nr)
     };
+    let (mr, nr) = (spec.mr, spec.nr);
+    let operands = match feed {
+        Feed::Packed => format!("`a` holds `kc*{mr}` and `b` `kc*{nr}` readable floats"),
+        Feed::BRows => {
+            format!("`a` holds `kc*{mr}` readable floats and each `b_rows[k] + b_off` `{nr}`")
+        }
+        Feed::ARows => {
+            format!("each `a + i*rs_a` (`i < {rows}`) holds `kc` readable floats and `b` `kc*{nr}`")
+        }
+    };
     format!(
-        " {what} ({}): C[m x n] = A-panel · B-panel over `kc` steps, then the epilogue.\n\n \
-         # Safety\n The CPU must have the ISA; `a` holds `kc*{}` and `b` `kc*{}` readable floats; `c` (and the \
-         epilogue's bias and residual) are valid for `m <= {rows}` rows of stride `rs_c` and `n <= {cols}` columns.",
+        " {what} ({}): C[m x n] = A · B over `kc` steps, then the epilogue.\n\n \
+         # Safety\n The CPU must have the ISA; {operands}; `c` (and the epilogue's bias and \
+         residual) are valid for `m <= {rows}` rows of stride `rs_c` and `n <= {cols}` columns.",
         spec.isa.suffix(),
-        spec.mr,
-        spec.nr,
     )
 }
 
-/// A kernel computing `cols` of the `nr` columns of each B panel (`cols == nr`: the full one).
+/// A kernel computing `cols` of the `nr` columns of each B panel (`cols == nr`: the full one),
+/// its operands read as `feed` says.
 ///
-/// With `rows`, B comes as row pointers instead of a packed panel: step `k` reads `cols`
-/// floats at `b_rows[k] + b_off`. The driver uses that where each row already lies contiguous
-/// in a shifted copy of the input, so the B panel needs no packing at all.
-///
-/// `m_rows` (at most `mr`) is the rows it computes: A panels still hold `mr` values a step.
+/// `m_rows` (at most `mr`) is the rows it computes: packed A panels still hold `mr` values a
+/// step.
 fn emit_simd(
     spec: &GemmSpec,
     v: &Simd,
     cols: usize,
     name: &str,
-    rows: bool,
+    feed: Feed,
     m_rows: usize,
 ) -> TokenStream {
     assert!(
@@ -202,8 +225,8 @@ fn emit_simd(
     let (mr, nr, lanes) = (m_rows, spec.nr, v.lanes);
     let nv = cols / lanes;
     let name = format_ident!("{}", name);
-    let doc = doc(spec, m_rows, cols);
-    let a_step = lit(spec.mr);
+    let doc = doc(spec, m_rows, cols, feed);
+    let a_step = lit(if feed == Feed::ARows { 1 } else { spec.mr });
     let (attrs, uses) = (v.attrs(), v.uses());
     let (zero, load, store, splat, add, min, max) =
         (&v.zero, &v.load, &v.store, &v.splat, &v.add, &v.min, &v.max);
@@ -227,8 +250,13 @@ fn emit_simd(
             quote!(#c = #f;)
         });
         let i = lit(i);
+        let a_i = if feed == Feed::ARows {
+            quote!(*a.add(#i * rs_a))
+        } else {
+            quote!(*a.add(#i))
+        };
         quote! {
-            let a_i = #splat(*a.add(#i));
+            let a_i = #splat(#a_i);
             #(#body)*
         }
     });
@@ -272,7 +300,7 @@ fn emit_simd(
     });
     let tile_len = lit(mr * cols);
     let (mr, nr, cols) = (lit(mr), lit(nr), lit(cols));
-    let b_loop = if rows {
+    let b_loop = if feed == Feed::BRows {
         quote! {
             let mut a = a;
             for k in 0..kc {
@@ -323,7 +351,7 @@ fn emit_simd(
                 store_edge(&tile, (#cols, 1), c, rs_c, m, n, ep);
             }
     };
-    kernel_fn(&name, &doc, &attrs, rows, body)
+    kernel_fn(&name, &doc, &attrs, feed, body)
 }
 
 /// A narrow edge kernel: all `mr` rows of the A panel by the first `cols` columns of B, with
@@ -332,8 +360,8 @@ fn emit_simd(
 /// step, not the `nr / 2`-wide half kernel's `mr`. With few columns the accumulators would be
 /// too few to hide the multiply-add latency (8 chains: 4 cycles on two ports), so alternate
 /// K steps go to separate sets of accumulators, summed at the end. The tile goes to C through
-/// the stack and `store_edge` (a tile of columns); `rows` as for [`emit_simd`].
-fn emit_narrow(spec: &GemmSpec, v: &Simd, cols: usize, name: &str, rows: bool) -> TokenStream {
+/// the stack and `store_edge` (a tile of columns); `feed` as for [`emit_simd`] (A packed).
+fn emit_narrow(spec: &GemmSpec, v: &Simd, cols: usize, name: &str, feed: Feed) -> TokenStream {
     let (mr, nr, lanes) = (spec.mr, spec.nr, v.lanes);
     let rv = mr / lanes;
     let sets = 8usize.div_ceil(cols * rv).max(1);
@@ -373,7 +401,7 @@ fn emit_narrow(spec: &GemmSpec, v: &Simd, cols: usize, name: &str, rows: bool) -
         }
     };
     let row_at = |k: TokenStream| {
-        if rows {
+        if feed == Feed::BRows {
             quote!((*b_rows.add(#k)).add(b_off))
         } else {
             let nr = lit(nr);
@@ -421,20 +449,25 @@ fn emit_narrow(spec: &GemmSpec, v: &Simd, cols: usize, name: &str, rows: bool) -
             #(#spills)*
             store_edge(&tile, (1, #mr_lit), c, rs_c, m, n, ep);
     };
-    kernel_fn(&name, &doc, &attrs, rows, body)
+    kernel_fn(&name, &doc, &attrs, feed, body)
 }
 
-fn emit_scalar(spec: &GemmSpec) -> TokenStream {
-    let name = format_ident!("{}", spec.name());
-    let doc = doc(spec, spec.mr, spec.nr);
+fn emit_scalar(spec: &GemmSpec, feed: Feed) -> TokenStream {
+    let name = format_ident!("{}{}", spec.name(), feed.suffix());
+    let doc = doc(spec, spec.mr, spec.nr, feed);
     let tile_len = lit(spec.mr * spec.nr);
     let (mr, nr) = (lit(spec.mr), lit(spec.nr));
+    let a_ip = if feed == Feed::ARows {
+        quote!(*a.add(i * rs_a + p))
+    } else {
+        quote!(*a.add(p * #mr + i))
+    };
     let body = quote! {
             let mut tile = [0.0f32; #tile_len];
             for p in 0..kc {
-                let (ap, bp) = (a.add(p * #mr), b.add(p * #nr));
+                let bp = b.add(p * #nr);
                 for i in 0..#mr {
-                    let ai = *ap.add(i);
+                    let ai = #a_ip;
                     for j in 0..#nr {
                         tile[i * #nr + j] += ai * *bp.add(j);
                     }
@@ -442,22 +475,23 @@ fn emit_scalar(spec: &GemmSpec) -> TokenStream {
             }
             store_edge(&tile, (#nr, 1), c, rs_c, m, n, ep);
     };
-    kernel_fn(&name, &doc, &TokenStream::new(), false, body)
+    kernel_fn(&name, &doc, &TokenStream::new(), feed, body)
 }
 
-/// A microkernel with the contract's signature: `GemmKernelFn` over a packed B panel, or
-/// with `rows` `GemmRowsFn` over B row pointers (`crate::gemm`'s types), around `body`.
+/// A microkernel with the contract's signature around `body`: `GemmKernelFn` over packed
+/// panels, `GemmRowsFn` over B row pointers, `GemmARowsFn` over strided A rows
+/// (`crate::gemm`'s types).
 fn kernel_fn(
     name: &proc_macro2::Ident,
     doc: &str,
     attrs: &TokenStream,
-    rows: bool,
+    feed: Feed,
     body: TokenStream,
 ) -> TokenStream {
-    let b_params = if rows {
-        quote!(b_rows: *const *const f32, b_off: usize,)
-    } else {
-        quote!(b: *const f32,)
+    let ab_params = match feed {
+        Feed::Packed => quote!(a: *const f32, b: *const f32,),
+        Feed::BRows => quote!(a: *const f32, b_rows: *const *const f32, b_off: usize,),
+        Feed::ARows => quote!(a: *const f32, rs_a: usize, b: *const f32,),
     };
     quote! {
         #[doc = #doc]
@@ -465,8 +499,7 @@ fn kernel_fn(
         #[allow(clippy::too_many_arguments)]
         pub unsafe fn #name(
             kc: usize,
-            a: *const f32,
-            #b_params
+            #ab_params
             c: *mut f32,
             rs_c: isize,
             m: usize,

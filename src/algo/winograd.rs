@@ -13,9 +13,10 @@
 //! image), sized so their transformed tiles stay in L2. Per item:
 //! 1. for each block of `lanes` input channels, the input rows under the item's tiles are
 //!    copied into a small padded pixel scratch (NCHW: 8x8 transposes; padding and ragged
-//!    edges are zeros there, so the whole input is never copied), each tile transformed by the
-//!    generated kernel, and the results transposed into the GEMM's A panels;
-//! 2. one GEMM per `ξ` (the transformed weights are the B operand, packed at create time);
+//!    edges are zeros there, so the whole input is never copied) and each tile transformed by
+//!    the generated kernel straight into `V_ξ`, a row of channels a tile;
+//! 2. one GEMM per `ξ` (the transformed weights are the B operand, packed at create time),
+//!    whose microkernels read A from `V_ξ`'s rows, so it needs no packing;
 //! 3. for each block of output channels, each tile transformed back with the bias by the
 //!    generated kernel into a pixel scratch, then stored (NCHW: transposed) with the residual
 //!    and the activation.
@@ -182,6 +183,10 @@ pub(crate) struct Winograd {
     layout: Layout,
     cin_g: usize,
     cout_g: usize,
+    /// Floats from one tile's row of `V_ξ` to the next: the input channels rounded up to the
+    /// vector, and off a multiple of 4 KiB (the 8 rows a microkernel reads would share one
+    /// set of the L1 cache).
+    rs_v: usize,
     /// Output channels rounded up to the GEMM's `nr` (a multiple of the vector).
     cout_pad: usize,
     /// `[group][ξ]` of `prepack(cout_g x cin_g, nr)`: the GEMMs' B operands.
@@ -195,9 +200,8 @@ pub(crate) struct Winograd {
 pub(crate) struct WinoPlan {
     tiles_y: usize,
     tiles_x: usize,
-    /// Tiles an item, and that rounded up to the GEMM's `mr`.
+    /// Tiles an item.
     chunk: usize,
-    chunk_pad: usize,
     chunks: usize,
     items: usize,
     workers: usize,
@@ -205,6 +209,10 @@ pub(crate) struct WinoPlan {
     kc: usize,
     /// Longest run of an item's tiles in one tile row.
     run: usize,
+    /// Floats from one position ξ of V (and of M) to the next, an odd number of cache lines
+    /// ([`odd_lines`]).
+    v_xi: usize,
+    m_xi: usize,
     scratch_per_worker: usize,
 }
 
@@ -321,6 +329,10 @@ impl Winograd {
                 prepack(dst, cout_g, cin_g, nr, |co, ci| src[co * cin_g + ci] as f32);
             }
         }
+        let mut rs_v = cin_g.next_multiple_of(kern.lanes);
+        if rs_v.is_multiple_of(1024) {
+            rs_v += kern.lanes;
+        }
         let mut padded = vec![0.0; groups * cout_pad];
         if let Some(b) = bias {
             for g in 0..groups {
@@ -334,6 +346,7 @@ impl Winograd {
             layout: p.layout,
             cin_g,
             cout_g,
+            rs_v,
             cout_pad,
             u,
             bias: padded,
@@ -356,7 +369,7 @@ impl Winograd {
         // Items take tiles of every image of the batch (of one group): more tiles an item
         // means more reuse of each block of transformed weights.
         let tiles = tiles * g.batch;
-        let per_tile = self.kern.xis() * (self.cin_g + self.cout_pad);
+        let per_tile = self.kern.xis() * (self.rs_v + self.cout_pad);
         // As many tiles as fit the budget, at least one register block of the GEMM; then the
         // size at most that which splits evenly between the threads (`balanced_chunk`).
         let mut chunk = (item_floats() / per_tile / mr).max(1) * mr;
@@ -378,18 +391,23 @@ impl Winograd {
         let xis = self.kern.xis();
         let rin = self.kern.rows_in() * (run * m + 2) * lanes;
         let rout = self.kern.rows_out() * run * m * lanes;
-        let scratch_per_worker =
-            xis * chunk_pad * (self.cin_g + self.cout_pad) + xis * chunk_pad * lanes + rin + rout;
+        // V and M hold a position's tiles up to a whole register block.
+        let (v_xi, m_xi) = (
+            odd_lines(chunk_pad * self.rs_v),
+            odd_lines(chunk_pad * self.cout_pad),
+        );
+        let scratch_per_worker = xis * (v_xi + m_xi) + rin + rout;
         WinoPlan {
             tiles_y,
             tiles_x,
             chunk,
-            chunk_pad,
             chunks,
             items,
             workers,
             kc,
             run,
+            v_xi,
+            m_xi,
             scratch_per_worker,
         }
     }
@@ -441,21 +459,19 @@ impl Winograd {
     ) {
         let k = self.kern;
         let (m, lanes, xis, mr) = (k.m, k.lanes, k.xis(), self.gemm.mr);
-        let (cin_g, cout_pad, pp) = (self.cin_g, self.cout_pad, plan.chunk_pad);
-        let (v, rest) = scratch.split_at_mut(xis * pp * cin_g);
-        let (mm, rest) = rest.split_at_mut(xis * pp * cout_pad);
-        let (tmp, rest) = rest.split_at_mut(xis * pp * lanes);
+        let (cin_g, rs_v, cout_pad) = (self.cin_g, self.rs_v, self.cout_pad);
+        let (v_xi, m_xi) = (plan.v_xi, plan.m_xi);
+        let (v, rest) = scratch.split_at_mut(xis * v_xi);
+        let (mm, rest) = rest.split_at_mut(xis * m_xi);
         let cols_in = plan.run * m + 2;
         let (rin, rout) = rest.split_at_mut(k.rows_in() * cols_in * lanes);
         // Blocks of `mr` tiles (the item's last may hold fewer than the plan's chunk); tiles
         // past the item's last, up to a whole block, multiply zeros.
-        let blocks = (it.p1 - it.p0).div_ceil(mr);
-        // Blocks of tiles a position of V holds (hoisted: `mr` is not a power of two at AVX2).
-        let v_blocks = pp / mr;
+        let (tiles, blocks) = (it.p1 - it.p0, (it.p1 - it.p0).div_ceil(mr));
         for xi in 0..xis {
-            tmp[(xi * pp + (it.p1 - it.p0)) * lanes..(xi * pp + blocks * mr) * lanes].fill(0.0);
+            v[xi * v_xi + tiles * rs_v..xi * v_xi + blocks * mr * rs_v].fill(0.0);
         }
-        // 1. Input transforms, a block of `lanes` input channels at a time.
+        // 1. Input transforms, a block of `lanes` input channels at a time, into V[ξ][tile].
         for c0 in (0..cin_g).step_by(lanes) {
             let cb = lanes.min(cin_g - c0);
             for run in runs(it.p0, it.p1, (plan.tiles_y, plan.tiles_x)) {
@@ -466,21 +482,14 @@ impl Winograd {
                 for i in 0..run.len {
                     let p = run.p - it.p0 + i;
                     // SAFETY: the tile's rows_in x t pixels lie in the region (cols = len*m +
-                    // 2 wide); its xis vectors go to tmp[xi][p], inside tmp (p < chunk_pad).
+                    // 2 wide); its xis vectors go to V[xi][p][c0..c0 + lanes], inside V (p is
+                    // below the item's tiles rounded up to mr, c0 + lanes <= rs_v).
                     (k.func)(
                         rin[i * m * lanes..].as_ptr(),
                         cols * lanes,
-                        tmp[p * lanes..].as_mut_ptr(),
-                        pp * lanes,
+                        v[p * rs_v + c0..].as_mut_ptr(),
+                        v_xi,
                     );
-                }
-            }
-            // tmp[xi][p][c] -> V[xi][p / mr][c0 + c][p % mr]: the GEMM's A panels.
-            for xi in 0..xis {
-                for q in 0..blocks {
-                    let src = &tmp[(xi * pp + q * mr) * lanes..][..mr * lanes];
-                    let dst = &mut v[((xi * v_blocks + q) * cin_g + c0) * mr..][..cb * mr];
-                    self.to_panel(src, lanes, cb, mr, dst);
                 }
             }
         }
@@ -491,9 +500,9 @@ impl Winograd {
         // Rows past the item's tiles are computed (from zeros) and stored like the others:
         // M has room for them, and whole tiles take the kernels' fast store.
         let last = blocks - 1;
-        let (last_func, last_rows) = match self.gemm.short {
-            Some(f) if it.p1 - it.p0 - last * mr <= mr / 2 => (f, mr / 2),
-            _ => (self.gemm.func, mr),
+        let (last_func, last_rows) = match self.gemm.short_a_rows {
+            Some(f) if tiles - last * mr <= mr / 2 => (f, mr / 2),
+            _ => (self.gemm.a_rows, mr),
         };
         let per_xi = panels * cin_g * nr;
         let u = self.u.as_slice();
@@ -508,16 +517,17 @@ impl Winograd {
                 for j in 0..panels {
                     let b = ub[(j * cin_g + k0) * nr..].as_ptr();
                     for q in 0..blocks {
-                        let a = v[((xi * v_blocks + q) * cin_g + k0) * mr..].as_ptr();
-                        let c = mm[(xi * pp + q * mr) * cout_pad + j * nr..].as_mut_ptr();
-                        // SAFETY: the A panel holds kc steps of mr floats, the B panel kc of
-                        // nr; C is mr rows of nr floats cout_pad apart inside M.
+                        let a = v[xi * v_xi + q * mr * rs_v + k0..].as_ptr();
+                        let c = mm[xi * m_xi + q * mr * cout_pad + j * nr..].as_mut_ptr();
+                        // SAFETY: V holds mr rows of rs_v >= k0 + kc floats from `a` (V_ξ has
+                        // room for whole blocks); the B panel kc steps of nr; C is mr rows of
+                        // nr floats cout_pad apart inside M.
                         let (func, rows) = if q == last {
                             (last_func, last_rows)
                         } else {
-                            (self.gemm.func, mr)
+                            (self.gemm.a_rows, mr)
                         };
-                        func(kc, a, b, c, cout_pad as isize, rows, nr, &ep);
+                        func(kc, a, rs_v, b, c, cout_pad as isize, rows, nr, &ep);
                     }
                 }
             }
@@ -530,11 +540,11 @@ impl Winograd {
             for run in runs(it.p0, it.p1, (plan.tiles_y, plan.tiles_x)) {
                 for i in 0..run.len {
                     let p = run.p - it.p0 + i;
-                    // SAFETY: M holds xis x chunk_pad rows of cout_pad floats, and co + lanes
+                    // SAFETY: M holds xis x (whole blocks of) rows of cout_pad floats, and co + lanes
                     // <= cout_pad; the tile's rows_out x m pixels lie in rout.
                     (k.output)(
                         mm[p * cout_pad + co..].as_ptr(),
-                        pp * cout_pad,
+                        m_xi,
                         bias,
                         rout[i * m * lanes..].as_mut_ptr(),
                         cols_out * lanes,
@@ -572,47 +582,6 @@ impl Winograd {
         let first = (n, grp * self.cin_g + c0, cb);
         let region = (y0, x0, self.kern.rows_in(), cols, self.kern.lanes);
         load_region(&planes, self.transpose, input, first, region, rin);
-    }
-
-    /// `src` (`mr` tiles of `lanes` channels) into `dst` (`cb` channels of `mr` tiles), 8
-    /// channels at a time through the 8x8 transpose where `mr` is at most 8.
-    fn to_panel(&self, src: &[f32], lanes: usize, cb: usize, mr: usize, dst: &mut [f32]) {
-        let c8 = if matches!(mr, 4 | 6 | 8) {
-            cb / 8 * 8
-        } else {
-            0
-        };
-        for c in (0..c8).step_by(8) {
-            let (src, dst) = (&src[c..], &mut dst[c * mr..][..8 * mr]);
-            match mr {
-                // SAFETY: 8 rows of 8 floats, `lanes` apart in src (mr = 8 rows of `lanes`)
-                // and 8 apart in dst (channels c..c+8 of cb); the transpose's ISA is this
-                // CPU's.
-                8 => unsafe { (self.transpose)(src.as_ptr(), lanes, dst.as_mut_ptr(), 8) },
-                6 => self.to_short_panel::<6>(src, lanes, dst),
-                _ => self.to_short_panel::<4>(src, lanes, dst),
-            }
-        }
-        for c in c8..cb {
-            for i in 0..mr {
-                dst[c * mr + i] = src[i * lanes + c];
-            }
-        }
-    }
-
-    /// `MR < 8` tiles (rows `lanes` apart in `src`) x 8 channels into 8 channels of `MR` tiles
-    /// (AVX2's 6-row GEMM panels), through 8x8 tiles: copies of constant length, so no
-    /// element-by-element loop.
-    fn to_short_panel<const MR: usize>(&self, src: &[f32], lanes: usize, dst: &mut [f32]) {
-        let (mut tiles, mut chans) = ([0.0f32; 64], [0.0f32; 64]);
-        for (i, row) in tiles.chunks_exact_mut(8).take(MR).enumerate() {
-            row.copy_from_slice(&src[i * lanes..][..8]);
-        }
-        // SAFETY: both tiles are 8 rows of 8 floats; the transpose's ISA is this CPU's.
-        unsafe { (self.transpose)(tiles.as_ptr(), 8, chans.as_mut_ptr(), 8) };
-        for (d, c) in dst.chunks_exact_mut(MR).zip(chans.chunks_exact(8)) {
-            d.copy_from_slice(&c[..MR]);
-        }
     }
 
     /// Output channels `co..co+cb` of the group for a run of tiles, from `rout`
@@ -695,6 +664,15 @@ impl Winograd {
             }
         }
     }
+}
+
+/// `n` floats rounded up to whole cache lines, and to an odd number of them: the transforms
+/// read or write a tile's `t²` vectors one position ξ apart, which at an even number of lines
+/// (40 tiles of 64 channels: 160 lines) fall into a few sets of the L1 cache and evict each
+/// other.
+fn odd_lines(n: usize) -> usize {
+    let lines = n.div_ceil(16);
+    (lines | 1) * 16
 }
 
 /// [`ERROR_FACTOR`] of tile size `m`.

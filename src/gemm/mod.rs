@@ -30,6 +30,10 @@ pub type GemmRowsFn = unsafe fn(
     &GemmEpilogue,
 );
 
+/// The signature of the strided-A variants: A row `i` is `kc` floats at `a + i*rs_a`.
+pub type GemmARowsFn =
+    unsafe fn(usize, *const f32, usize, *const f32, *mut f32, isize, usize, usize, &GemmEpilogue);
+
 /// A generated microkernel and its register tile.
 pub struct GemmKernel {
     /// The kernel's name, e.g. `gemm_f32_6x16_avx2`.
@@ -51,6 +55,10 @@ pub struct GemmKernel {
     pub rows: Option<GemmRowsFn>,
     /// A variant that takes `mr / 2` rows (for ragged edges), where the ISA has one.
     pub half_rows: Option<GemmRowsFn>,
+    /// The kernel over strided A rows (Winograd's transformed tiles, no A panel to pack).
+    pub a_rows: GemmARowsFn,
+    /// Its `short` variant, where the ISA has one.
+    pub short_a_rows: Option<GemmARowsFn>,
     /// Kernels for a last micro-panel of only a few columns, narrowest first (may be empty).
     pub narrow: &'static [NarrowGemm],
 }
