@@ -192,3 +192,34 @@ fn conv1d_with_three_taps_runs_one_dimensional_winograd() {
     let c = r.compare_scaled(&out, plan.error_factor());
     assert!(c.passed(), "{c:?}");
 }
+
+/// Items whose last register block of tiles holds every count of rows (1 to 17 tiles of
+/// F(2,3) in one row of tiles, so the strided-A edge kernel of each count runs), with more
+/// input channels than one vector and a ragged last one, at every ISA level, one thread.
+#[test]
+fn every_count_of_tiles_in_the_last_block_matches_the_reference() {
+    let (cin, cout) = (21, 40);
+    let p = ConvParams::conv2d(cin, cout, [3, 3]).with_padding(Padding::Same);
+    let mut rng = Rng::new(5);
+    let weights = rng.vec(p.weights_len().unwrap());
+    for &isa in Isa::available() {
+        let name = format!("wino_f32_f2_2d_{isa}");
+        let kernel = convkit::cpu::find_kernel(&name).unwrap().name;
+        let opts = Options {
+            kernel: Some(kernel),
+            threads: 1,
+            ..Options::default()
+        };
+        let conv = Conv2d::new(p, &weights, None, opts).unwrap();
+        for tiles in 1..=17 {
+            let (h, w) = (2, 2 * tiles);
+            let input = rng.vec(cin * h * w);
+            let plan = conv.plan(1, h, w).unwrap();
+            let mut out = vec![0.0; plan.output_len()];
+            plan.run(&input, &mut out, &mut Workspace::new()).unwrap();
+            let r = reference::conv(&p, 1, h, w, &input, &weights, None, None).unwrap();
+            let c = r.compare_scaled(&out, plan.error_factor());
+            assert!(c.passed(), "{isa} {tiles} tiles: {c:?}");
+        }
+    }
+}

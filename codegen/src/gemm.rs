@@ -39,21 +39,19 @@ pub fn emit_all(specs: &[GemmSpec]) -> TokenStream {
                 Some(_) => some(format!("{}_rows", half_name(s))),
                 None => quote!(None),
             };
-            let (short, short_a_rows) = if short_rows(s).is_some() {
-                (
-                    some(format!("{}_short", s.name())),
-                    some(format!("{}_short_arows", s.name())),
-                )
+            let short = if short_rows(s).is_some() {
+                some(format!("{}_short", s.name()))
             } else {
-                (quote!(None), quote!(None))
+                quote!(None)
             };
             let a_rows = format_ident!("{}_arows", s.name());
+            let a_rows_edge = edge_rows(s).map(|r| format_ident!("{}", edge_name(s, r)));
             let narrow = narrow_cols(s).into_iter().map(|cols| {
                 let name = narrow_name(s, cols);
                 let (func, rows) = (format_ident!("{}", name), format_ident!("{}_rows", name));
                 quote!(crate::gemm::NarrowGemm { cols: #cols, func: #func, rows: #rows },)
             });
-            let fields = quote!(mr: #mr, nr: #nr, half: #half, short: #short, rows: #rows, half_rows: #half_rows, a_rows: #a_rows, short_a_rows: #short_a_rows, narrow: &[#(#narrow)*],);
+            let fields = quote!(mr: #mr, nr: #nr, half: #half, short: #short, rows: #rows, half_rows: #half_rows, a_rows: #a_rows, a_rows_edge: &[#(#a_rows_edge),*], narrow: &[#(#narrow)*],);
             registry_entry(&s.name(), s.isa, fields)
         })
         .collect();
@@ -106,6 +104,17 @@ fn narrow_cols(spec: &GemmSpec) -> Vec<usize> {
     [4, 8].into_iter().filter(|&c| c < widest).collect()
 }
 
+/// Rows of the strided-A edge kernels: every count below `mr` (SIMD ISAs), so that a last
+/// block of a few Winograd tiles costs its rows, not a whole register block's.
+fn edge_rows(spec: &GemmSpec) -> impl Iterator<Item = usize> {
+    let n = if simd(spec.isa).is_some() { spec.mr } else { 1 };
+    1..n
+}
+
+fn edge_name(spec: &GemmSpec, rows: usize) -> String {
+    format!("{}_arows{rows}", spec.name())
+}
+
 fn narrow_name(spec: &GemmSpec, cols: usize) -> String {
     format!("{}_narrow{cols}", spec.name())
 }
@@ -131,11 +140,19 @@ fn emit_kernel(spec: &GemmSpec) -> TokenStream {
     }
     let name = format!("{}{}", spec.name(), Feed::ARows.suffix());
     out.extend(emit_simd(spec, &v, spec.nr, &name, Feed::ARows, spec.mr));
+    for rows in edge_rows(spec) {
+        out.extend(emit_simd(
+            spec,
+            &v,
+            spec.nr,
+            &edge_name(spec, rows),
+            Feed::ARows,
+            rows,
+        ));
+    }
     if let Some(m) = short_rows(spec) {
-        for feed in [Feed::Packed, Feed::ARows] {
-            let name = format!("{}_short{}", spec.name(), feed.suffix());
-            out.extend(emit_simd(spec, &v, spec.nr, &name, feed, m));
-        }
+        let name = format!("{}_short", spec.name());
+        out.extend(emit_simd(spec, &v, spec.nr, &name, Feed::Packed, m));
     }
     if let Some(nv) = narrow_simd(spec) {
         for cols in narrow_cols(spec) {
@@ -231,34 +248,65 @@ fn emit_simd(
     let (zero, load, store, splat, add, min, max) =
         (&v.zero, &v.load, &v.store, &v.splat, &v.add, &v.min, &v.max);
 
+    // Fewer than 8 accumulators cannot hide the multiply-add latency (4 cycles on two
+    // ports): a strided-A edge kernel of a few rows sends alternate K steps to separate sets
+    // of accumulators, summed after the loop.
+    let sets = if feed == Feed::ARows {
+        8usize.div_ceil(mr * nv)
+    } else {
+        1
+    };
     let acc = |i: usize, j: usize| format_ident!("c{}_{}", i, j);
-    let all: Vec<(usize, usize)> = (0..mr).flat_map(|i| (0..nv).map(move |j| (i, j))).collect();
-    let decls = all.iter().map(|&(i, j)| {
-        let c = acc(i, j);
-        quote!(let mut #c = #zero;)
-    });
-    let b_loads = (0..nv).map(|j| {
-        let b = format_ident!("b{}", j);
-        let off = lit(j * lanes);
-        quote!(let #b = #load(b.add(#off));)
-    });
-    let fmas = (0..mr).map(|i| {
-        let body = (0..nv).map(|j| {
-            let c = acc(i, j);
-            let b = format_ident!("b{}", j);
-            let f = (v.fma)(quote!(#c), quote!(a_i), quote!(#b));
-            quote!(#c = #f;)
-        });
-        let i = lit(i);
-        let a_i = if feed == Feed::ARows {
-            quote!(*a.add(#i * rs_a))
+    let acc_in = |s: usize, i: usize, j: usize| {
+        if s == 0 {
+            acc(i, j)
         } else {
-            quote!(*a.add(#i))
-        };
-        quote! {
-            let a_i = #splat(#a_i);
-            #(#body)*
+            format_ident!("s{}_{}_{}", s, i, j)
         }
+    };
+    let all: Vec<(usize, usize)> = (0..mr).flat_map(|i| (0..nv).map(move |j| (i, j))).collect();
+    let decls = (0..sets).flat_map(|s| {
+        all.iter().map(move |&(i, j)| {
+            let c = acc_in(s, i, j);
+            quote!(let mut #c = #zero;)
+        })
+    });
+    // One K step into set `s`: B's row at `b + s*nr`, A's column `s` on.
+    let step = |s: usize| {
+        let b_loads = (0..nv).map(|j| {
+            let b = format_ident!("b{}", j);
+            let off = lit(s * nr + j * lanes);
+            quote!(let #b = #load(b.add(#off));)
+        });
+        let fmas = (0..mr).map(|i| {
+            let body = (0..nv).map(|j| {
+                let c = acc_in(s, i, j);
+                let b = format_ident!("b{}", j);
+                let f = (v.fma)(quote!(#c), quote!(a_i), quote!(#b));
+                quote!(#c = #f;)
+            });
+            let a_i = if feed == Feed::ARows {
+                let (i, s) = (lit(i), lit(s));
+                quote!(*a.add(#i * rs_a + #s))
+            } else {
+                let i = lit(s * spec.mr + i);
+                quote!(*a.add(#i))
+            };
+            quote! {
+                let a_i = #splat(#a_i);
+                #(#body)*
+            }
+        });
+        quote! {
+            #(#b_loads)*
+            #(#fmas)*
+        }
+    };
+    let sums = (1..sets).flat_map(|s| {
+        all.iter().map(move |&(i, j)| {
+            let (c0, c) = (acc(i, j), acc_in(s, i, j));
+            quote!(#c0 = #add(#c0, #c);)
+        })
     });
     let per_acc = |f: &dyn Fn(usize, usize, &proc_macro2::Ident) -> TokenStream| {
         all.iter()
@@ -300,25 +348,43 @@ fn emit_simd(
     });
     let tile_len = lit(mr * cols);
     let (mr, nr, cols) = (lit(mr), lit(nr), lit(cols));
+    let one_step = step(0);
     let b_loop = if feed == Feed::BRows {
         quote! {
             let mut a = a;
             for k in 0..kc {
                 let b = (*b_rows.add(k)).add(b_off);
-                #(#b_loads)*
-                #(#fmas)*
+                #one_step
                 a = a.add(#a_step);
             }
         }
-    } else {
+    } else if sets == 1 {
         quote! {
             let (mut a, mut b) = (a, b);
             for _ in 0..kc {
-                #(#b_loads)*
-                #(#fmas)*
+                #one_step
                 a = a.add(#a_step);
                 b = b.add(#nr);
             }
+        }
+    } else {
+        let unrolled = (0..sets).map(step);
+        let sets = lit(sets);
+        quote! {
+            let (mut a, mut b, mut k) = (a, b, 0);
+            while k + #sets <= kc {
+                #(#unrolled)*
+                a = a.add(#sets * #a_step);
+                b = b.add(#sets * #nr);
+                k += #sets;
+            }
+            while k < kc {
+                #one_step
+                a = a.add(#a_step);
+                b = b.add(#nr);
+                k += 1;
+            }
+            #(#sums)*
         }
     };
 

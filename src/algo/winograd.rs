@@ -496,13 +496,14 @@ impl Winograd {
         // 2. One GEMM per position of the transformed tile.
         let ep = GemmEpilogue::plain(false);
         let (nr, panels) = (self.gemm.nr, cout_pad / self.gemm.nr);
-        // The last block of tiles runs the half-height kernel when it holds no more.
-        // Rows past the item's tiles are computed (from zeros) and stored like the others:
-        // M has room for them, and whole tiles take the kernels' fast store.
+        // The last block of tiles runs the edge kernel of its rows, where there is one; else
+        // the rows past the item's tiles are computed (from zeros) and stored like the
+        // others: M has room for them, and whole tiles take the kernels' fast store.
         let last = blocks - 1;
-        let (last_func, last_rows) = match self.gemm.short_a_rows {
-            Some(f) if tiles - last * mr <= mr / 2 => (f, mr / 2),
-            _ => (self.gemm.a_rows, mr),
+        let last_rows = tiles - last * mr;
+        let (last_func, last_rows) = match self.gemm.a_rows_edge.get(last_rows - 1) {
+            Some(&f) => (f, last_rows),
+            None => (self.gemm.a_rows, mr),
         };
         let per_xi = panels * cin_g * nr;
         let u = self.u.as_slice();

@@ -57,8 +57,9 @@ pub struct GemmKernel {
     pub half_rows: Option<GemmRowsFn>,
     /// The kernel over strided A rows (Winograd's transformed tiles, no A panel to pack).
     pub a_rows: GemmARowsFn,
-    /// Its `short` variant, where the ISA has one.
-    pub short_a_rows: Option<GemmARowsFn>,
+    /// Its edge variants over the first `r` rows, `a_rows_edge[r - 1]` for `r < mr` (SIMD
+    /// ISAs; empty elsewhere, where `a_rows` serves every count, reading all `mr` rows).
+    pub a_rows_edge: &'static [GemmARowsFn],
     /// Kernels for a last micro-panel of only a few columns, narrowest first (may be empty).
     pub narrow: &'static [NarrowGemm],
 }
