@@ -2,7 +2,8 @@
 //!
 //! A microkernel computes an `mr` x `nr` tile `C = A·B` over `kc` steps from packed panels
 //! (A: `kc` columns of `mr` values, B: `kc` rows of `nr` values, both zero-padded), keeping
-//! the whole tile in registers. Then, in registers: optional accumulation into C (K-blocks
+//! the whole tile in registers; variants read B through row pointers (im2col's shifted rows)
+//! or A from strided rows (Winograd's transformed tiles), see [`Feed`]. Then, in registers: optional accumulation into C (K-blocks
 //! after the first), and on the last K-block the fused epilogue (bias by row or by column,
 //! residual, clamp). Partial tiles at the edges of C go through a stack tile and
 //! `crate::gemm::store_edge`, so the kernel never touches memory outside `m` x `n`.
