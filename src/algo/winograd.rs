@@ -15,11 +15,12 @@
 //!    copied into a small padded pixel scratch (NCHW: 8x8 transposes; padding and ragged
 //!    edges are zeros there, so the whole input is never copied) and each tile transformed by
 //!    the generated kernel straight into `V_ξ`, a row of channels a tile;
-//! 2. one GEMM per `ξ` (the transformed weights are the B operand, packed at create time),
-//!    whose microkernels read A from `V_ξ`'s rows, so it needs no packing;
-//! 3. for each block of output channels, each tile transformed back with the bias by the
-//!    generated kernel into a pixel scratch, then stored (NCHW: transposed) with the residual
-//!    and the activation.
+//! 2. for each GEMM panel of output channels, one GEMM per `ξ` (the transformed weights are
+//!    the B operand, packed at create time), whose microkernels read A from `V_ξ`'s rows, so
+//!    it needs no packing, into `M_ξ`, which holds that panel alone;
+//! 3. then for each block of the panel's channels, each tile transformed back with the bias
+//!    by the generated kernel into a pixel scratch, and stored (NCHW: transposed) with the
+//!    residual and the activation.
 //!
 //! The transforms are generated from their interpolation points (`codegen/src/winograd.rs`).
 
@@ -189,7 +190,8 @@ pub(crate) struct Winograd {
     rs_v: usize,
     /// Output channels rounded up to the GEMM's `nr` (a multiple of the vector).
     cout_pad: usize,
-    /// `[group][ξ]` of `prepack(cout_g x cin_g, nr)`: the GEMMs' B operands.
+    /// `[group][pass][ξ][panel]` of `prepack` of `nr` output channels x `cin_g`: the GEMMs' B
+    /// operands, in the order a run reads them (a pass of [`PASS_CHANNELS`] at a time).
     u: AlignedBuf,
     /// `[group][cout_pad]`, zero past the group's channels.
     bias: Vec<f32>,
@@ -236,6 +238,28 @@ fn item_floats() -> usize {
 /// resnet50_l4_3x3 (F(2,3), 512 channels, 16 MiB of weights, 16 tiles), one thread, three
 /// interleaved rounds: AVX2 50 -> 71 GFLOP/s (im2col+GEMM 51-64), AVX-512 67 -> 110.
 const U_STREAM_FLOATS: usize = 3 << 20;
+
+/// Output channels the GEMMs of an item compute before their output transforms run: M holds
+/// one pass, so an item's budget goes to its tiles rather than to all its products, and its
+/// GEMMs accumulate K-blocks into a small M. Against passes of every channel, 5-7 interleaved
+/// rounds, one thread: one 32-wide AVX-512 panel a pass ran resnet50_l2_3x3 1.04-1.06x,
+/// vgg16 1.03-1.05x, l4_3x3 1.14-1.20x, l1/l3/batch8 0.96-1.02x (64 channels a pass lost the
+/// l2 and vgg16 gains); at AVX2 two 16-wide panels ran l4 1.16x, l2 1.02x, l1 1.01x but l3
+/// 0.95x (one panel: 0.84-0.95x, four 0.97x: its 16 or more passes each read V again).
+const PASS_CHANNELS: usize = 32;
+
+/// GEMM panels of `nr` output channels a pass.
+fn pass_panels(nr: usize) -> usize {
+    (PASS_CHANNELS / nr).max(1)
+}
+
+/// The passes over `panels` panels: (first panel, panels).
+fn passes(panels: usize, nr: usize) -> impl Iterator<Item = (usize, usize)> {
+    let per = pass_panels(nr);
+    (0..panels)
+        .step_by(per)
+        .map(move |j0| (j0, per.min(panels - j0)))
+}
 
 /// The item size, at most `max` tiles, whose items keep `threads` workers busiest: workers take
 /// contiguous ranges of the `groups` x chunks items, and an item of n tiles costs n transforms
@@ -323,10 +347,17 @@ impl Winograd {
                     }
                 }
             }
-            for xi in 0..xis {
-                let dst = &mut u.as_mut_slice()[(g * xis + xi) * per_xi..][..per_xi];
-                let src = &ut[xi * cout_g * cin_g..][..cout_g * cin_g];
-                prepack(dst, cout_g, cin_g, nr, |co, ci| src[co * cin_g + ci] as f32);
+            let (block, panels) = (cin_g * nr, cout_pad / nr);
+            for (j0, gp) in passes(panels, nr) {
+                for xi in 0..xis {
+                    for j in j0..j0 + gp {
+                        let at = ((g * panels + j0) * xis + xi * gp + j - j0) * block;
+                        let dst = &mut u.as_mut_slice()[at..][..block];
+                        let rows = nr.min(cout_g - j * nr);
+                        let src = &ut[(xi * cout_g + j * nr) * cin_g..][..rows * cin_g];
+                        prepack(dst, rows, cin_g, nr, |co, ci| src[co * cin_g + ci] as f32);
+                    }
+                }
             }
         }
         let mut rs_v = cin_g.next_multiple_of(kern.lanes);
@@ -369,7 +400,10 @@ impl Winograd {
         // Items take tiles of every image of the batch (of one group): more tiles an item
         // means more reuse of each block of transformed weights.
         let tiles = tiles * g.batch;
-        let per_tile = self.kern.xis() * (self.rs_v + self.cout_pad);
+        // A tile keeps its transformed input and one pass of its products (M holds one pass
+        // of output channels at a time).
+        let pass = pass_panels(self.gemm.nr) * self.gemm.nr;
+        let per_tile = self.kern.xis() * (self.rs_v + pass);
         // As many tiles as fit the budget, at least one register block of the GEMM; then the
         // size at most that which splits evenly between the threads (`balanced_chunk`).
         let mut chunk = (item_floats() / per_tile / mr).max(1) * mr;
@@ -394,7 +428,7 @@ impl Winograd {
         // V and M hold a position's tiles up to a whole register block.
         let (v_xi, m_xi) = (
             odd_lines(chunk_pad * self.rs_v),
-            odd_lines(chunk_pad * self.cout_pad),
+            odd_lines(chunk_pad * pass),
         );
         let scratch_per_worker = xis * (v_xi + m_xi) + rin + rout;
         WinoPlan {
@@ -493,7 +527,9 @@ impl Winograd {
                 }
             }
         }
-        // 2. One GEMM per position of the transformed tile.
+        // 2. and 3., a pass of output channels at a time: one GEMM per position of the
+        // transformed tile into M (which holds one pass, so the budget of an item goes to its
+        // tiles), then the output transforms of those channels.
         let ep = GemmEpilogue::plain(false);
         let (nr, panels) = (self.gemm.nr, cout_pad / self.gemm.nr);
         // The last block of tiles runs the edge kernel of its rows, where there is one; else
@@ -505,55 +541,61 @@ impl Winograd {
             Some(&f) => (f, last_rows),
             None => (self.gemm.a_rows, mr),
         };
-        let per_xi = panels * cin_g * nr;
         let u = self.u.as_slice();
-        for xi in 0..xis {
-            let ub = &u[(it.grp * xis + xi) * per_xi..][..per_xi];
-            for k0 in (0..cin_g).step_by(plan.kc) {
-                let kc = plan.kc.min(cin_g - k0);
-                let ep = GemmEpilogue {
-                    accumulate: k0 > 0,
-                    ..ep
-                };
-                for j in 0..panels {
-                    let b = ub[(j * cin_g + k0) * nr..].as_ptr();
-                    for q in 0..blocks {
-                        let a = v[xi * v_xi + q * mr * rs_v + k0..].as_ptr();
-                        let c = mm[xi * m_xi + q * mr * cout_pad + j * nr..].as_mut_ptr();
-                        // SAFETY: V holds mr rows of rs_v >= k0 + kc floats from `a` (V_ξ has
-                        // room for whole blocks); the B panel kc steps of nr; C is mr rows of
-                        // nr floats cout_pad apart inside M.
-                        let (func, rows) = if q == last {
-                            (last_func, last_rows)
-                        } else {
-                            (self.gemm.a_rows, mr)
-                        };
-                        func(kc, a, rs_v, b, c, cout_pad as isize, rows, nr, &ep);
+        let cols_out = plan.run * m;
+        for (j0, gp) in passes(panels, nr) {
+            // M's rows: the pass's channels.
+            let rs_m = gp * nr;
+            for xi in 0..xis {
+                let block = gp * cin_g * nr;
+                let ub = &u[((it.grp * panels + j0) * xis + xi * gp) * cin_g * nr..][..block];
+                for k0 in (0..cin_g).step_by(plan.kc) {
+                    let kc = plan.kc.min(cin_g - k0);
+                    let ep = GemmEpilogue {
+                        accumulate: k0 > 0,
+                        ..ep
+                    };
+                    for j in 0..gp {
+                        let b = ub[(j * cin_g + k0) * nr..].as_ptr();
+                        for q in 0..blocks {
+                            let a = v[xi * v_xi + q * mr * rs_v + k0..].as_ptr();
+                            let c = mm[xi * m_xi + q * mr * rs_m + j * nr..].as_mut_ptr();
+                            // SAFETY: V holds mr rows of rs_v >= k0 + kc floats from `a` (V_ξ
+                            // has room for whole blocks); the B panel kc steps of nr; C is mr
+                            // rows of nr floats rs_m apart inside M_ξ (room for whole blocks).
+                            let (func, rows) = if q == last {
+                                (last_func, last_rows)
+                            } else {
+                                (self.gemm.a_rows, mr)
+                            };
+                            func(kc, a, rs_v, b, c, rs_m as isize, rows, nr, &ep);
+                        }
                     }
                 }
             }
-        }
-        // 3. Output transforms, a block of `lanes` output channels at a time.
-        let cols_out = plan.run * m;
-        for co in (0..self.cout_g).step_by(lanes) {
-            let cb = lanes.min(self.cout_g - co);
-            let bias = self.bias[it.grp * cout_pad + co..].as_ptr();
-            for run in runs(it.p0, it.p1, (plan.tiles_y, plan.tiles_x)) {
-                for i in 0..run.len {
-                    let p = run.p - it.p0 + i;
-                    // SAFETY: M holds xis x (whole blocks of) rows of cout_pad floats, and co + lanes
-                    // <= cout_pad; the tile's rows_out x m pixels lie in rout.
-                    (k.output)(
-                        mm[p * cout_pad + co..].as_ptr(),
-                        m_xi,
-                        bias,
-                        rout[i * m * lanes..].as_mut_ptr(),
-                        cols_out * lanes,
+            // Output transforms, a block of `lanes` of the pass's channels at a time.
+            let first = j0 * nr;
+            for co in (first..self.cout_g.min(first + rs_m)).step_by(lanes) {
+                let cb = lanes.min(self.cout_g - co);
+                let bias = self.bias[it.grp * cout_pad + co..].as_ptr();
+                for run in runs(it.p0, it.p1, (plan.tiles_y, plan.tiles_x)) {
+                    for i in 0..run.len {
+                        let p = run.p - it.p0 + i;
+                        // SAFETY: M_ξ holds the tile's row of rs_m floats, co - first + lanes
+                        // <= rs_m (lanes divides nr); the tile's rows_out x m pixels lie in
+                        // rout.
+                        (k.output)(
+                            mm[p * rs_m + co - first..].as_ptr(),
+                            m_xi,
+                            bias,
+                            rout[i * m * lanes..].as_mut_ptr(),
+                            cols_out * lanes,
+                        );
+                    }
+                    self.store_region(
+                        g, &run, it, co, cb, cols_out, rout, residual, out, activation,
                     );
                 }
-                self.store_region(
-                    g, &run, it, co, cb, cols_out, rout, residual, out, activation,
-                );
             }
         }
     }
