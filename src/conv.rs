@@ -110,6 +110,8 @@ impl Conv2d {
             (Some(isa), None) => Isa::check(isa)?,
             (None, None) => Isa::default_level()?,
         };
+        // Workers that run together: the choices of algorithm and tile depend on them.
+        let parallel = crate::algo::parallel_workers(options.threads);
         let algorithm = match (forced.map(|k| k.family), options.algorithm) {
             (Some(Family::QGemm | Family::QDepthwise), _) => {
                 return Err(Error::InvalidParameter {
@@ -130,10 +132,7 @@ impl Conv2d {
                     detail: format!("a {family:?} kernel does not run algorithm {a}"),
                 })
             }
-            (None, a) => a.unwrap_or_else(|| {
-                let parallel = crate::algo::parallel_workers(options.threads);
-                choose(&params, isa, options.precision, parallel)
-            }),
+            (None, a) => a.unwrap_or_else(|| choose(&params, isa, options.precision, parallel)),
         };
         // A forced 16-bit depthwise kernel forces its f32 twin (same ISA, layout and shape):
         // 16-bit runs take the twin's 16-bit kernel, which is the forced one.
@@ -162,7 +161,7 @@ impl Conv2d {
             Algorithm::Winograd => {
                 let m = match wino_kernel {
                     Some(k) => k.m,
-                    None => winograd_tile(&params, options.precision, options.input_hint),
+                    None => winograd_tile(&params, options.precision, options.input_hint, parallel),
                 };
                 // The kernel of that tile for this shape: a forced one must be it (2-D or 1-D).
                 let kern = winograd::kernel_for(&params, isa, m)
@@ -327,12 +326,24 @@ const WINOGRAD_MIN_CHANNELS: usize = 16;
 /// the least work on an image of `hint`'s size, or F(4,3) without a hint (on the suite it is
 /// never the slowest, and within 10% of the best on 14x14 to 224x224 images).
 ///
-/// Work: the GEMMs do `(m+2)^2` products a tile for whole register blocks of tiles
-/// (`TILE_BLOCK`), and each bigger tile does less transform work an output (weighted by
-/// `1 - m/20`). Measured (`convkit bench --kernel`, one thread, AVX-512, three interleaved
-/// rounds, GFLOP/s F(2,3) / F(4,3) / F(6,3)): 7x7 87 / 79 / 42; 14x14 176 / 294 / 132; 28x28
-/// 206 / 275 / 305; 56x56 189 / 258 / 284; 224x224 173 / 263 / 273.
-fn winograd_tile(params: &ConvParams, precision: Precision, hint: Option<[usize; 2]>) -> usize {
+/// Work: the GEMMs do `(m+2)^2` products a tile (a last block of a few tiles costs its rows:
+/// there are edge kernels for every row count), and each bigger tile does less transform work
+/// an output (weighted by `1 - m/20`). Where a group's transformed weights outgrow the caches
+/// (`(m+2)^2 x cin x cout` floats over 16 MiB), each of the `workers` streams them from memory
+/// at least once, at the cost of [`WINOGRAD_STREAM_TILES`] tiles' GEMMs.
+///
+/// Measured (`convkit bench --kernel`, AVX-512, 2026-12-07, F(2,3) / F(4,3) / F(5,3) / F(6,3)
+/// against F(4,3), medians of 7 interleaved rounds' ratios, one thread): 7x7 (512 channels)
+/// 0.92 / 1 / 0.61 / 0.45 (at two threads F(2,3) 2.6x F(4,3)); 14x14 (256) 0.78 / 1 / 1.13 /
+/// 0.82; 8 images of 14x14 0.77 / 1 / 1.12 / 0.85; and three rounds' medians, GFLOP/s: 28x28
+/// 198 / 328 / 331 / 388, 56x56 185 / 298 / 267 / 306, 224x224 184 / 294 / 294 / 331.
+/// F(5,3) covers 14 pixels with 3 tiles where F(4,3) needs 4 and F(6,3) wastes 4 of 18.
+fn winograd_tile(
+    params: &ConvParams,
+    precision: Precision,
+    hint: Option<[usize; 2]>,
+    workers: usize,
+) -> usize {
     // Winograd forced at `Precision::Exact` runs the most accurate tile.
     let max = precision.max_tile().max(2);
     let Some([h, w]) = hint else {
@@ -348,19 +359,35 @@ fn winograd_tile(params: &ConvParams, precision: Precision, hint: Option<[usize;
             (h as f64 / mf).ceil()
         };
         let tiles = tiles_y * (w as f64 / mf).ceil();
-        let blocks = (tiles / TILE_BLOCK as f64).ceil() * TILE_BLOCK as f64;
         let side = (mf + 2.0) * if one_d { 1.0 } else { mf + 2.0 };
-        blocks * side * (1.0 - mf / 20.0)
+        let weights =
+            side * params.in_channels_per_group() as f64 * params.out_channels_per_group() as f64;
+        let streams = if weights > WINOGRAD_CACHED_WEIGHTS {
+            workers.clamp(1, tiles.max(1.0) as usize) as f64 * WINOGRAD_STREAM_TILES
+        } else {
+            0.0
+        };
+        side * (tiles * (1.0 - mf / 20.0) + streams)
     };
-    [2, 4, 6]
+    WINOGRAD_TILES
         .into_iter()
         .filter(|&m| m <= max)
         .min_by(|&a, &b| cost(a).total_cmp(&cost(b)))
         .unwrap_or(2)
 }
 
-/// Tiles the Winograd GEMMs take at a time (the AVX-512 and NEON kernels' rows).
-const TILE_BLOCK: usize = 8;
+/// The tile sizes `m` of the generated F(m,3) transforms, smallest (most accurate) first.
+const WINOGRAD_TILES: [usize; 4] = [2, 4, 5, 6];
+
+/// Transformed weights of a group (floats) that the tile choice takes to stay in the caches
+/// (16 MiB: F(6,3) at 256 channels, half the L3 of a Zen 4 chiplet).
+const WINOGRAD_CACHED_WEIGHTS: f64 = (4u64 << 20) as f64;
+
+/// A stream of a group's transformed weights from memory, in tiles' GEMMs, fitted to
+/// resnet50_l4_3x3 (7x7, 512 channels: F(2,3)'s weights take 16 MiB, F(4,3)'s 36 MiB for 4
+/// tiles) so that it keeps F(2,3): against it F(4,3) ran 1.02-1.08x on one thread at AVX-512
+/// but 0.88x at AVX2 and 0.38x on two threads (each worker streams the weights for 2 tiles).
+const WINOGRAD_STREAM_TILES: f64 = 4.0;
 
 /// `Ok` if `params` describes a 1-D convolution: kernel, stride and dilation height 1, no
 /// vertical padding.

@@ -111,8 +111,9 @@ fn the_tile_follows_the_image_size() {
     let w = vec![0.1; p.weights_len().unwrap()];
     for (hint, tile) in [
         (None, "f4"),
-        (Some([7, 7]), "f2"),
-        (Some([14, 14]), "f4"),
+        (Some([7, 7]), "f4"),
+        (Some([14, 14]), "f5"),
+        (Some([28, 28]), "f6"),
         (Some([56, 56]), "f6"),
     ] {
         let opts = Options {
