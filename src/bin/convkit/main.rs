@@ -100,7 +100,7 @@ Options:
   --algorithm NAME  force an algorithm (see `convkit info`)
   --kernel NAME     force a generated kernel, at its ISA (see `convkit info`)
   --precision P     exact (never Winograd), accurate (F(2,3), F(4,3) only) or balanced
-                    (default: F(6,3) too)
+                    (default: F(5,3) and F(6,3) too)
   --dtype D         f32 (default); f16 or bf16 (tensors stored in 16 bits, arithmetic in
                     f32, GFLOP/s); or quantized: u8 (u8 in/out, zero point 128) or i8
   --peak GFLOPS     per-core peak for the %peak column (default: measured at start-up)
