@@ -161,7 +161,13 @@ impl Conv2d {
             Algorithm::Winograd => {
                 let m = match wino_kernel {
                     Some(k) => k.m,
-                    None => winograd_tile(&params, options.precision, options.input_hint, parallel),
+                    None => winograd_tile(
+                        &params,
+                        isa,
+                        options.precision,
+                        options.input_hint,
+                        parallel,
+                    ),
                 };
                 // The kernel of that tile for this shape: a forced one must be it (2-D or 1-D).
                 let kern = winograd::kernel_for(&params, isa, m)
@@ -340,6 +346,7 @@ const WINOGRAD_MIN_CHANNELS: usize = 16;
 /// F(5,3) covers 14 pixels with 3 tiles where F(4,3) needs 4 and F(6,3) wastes 4 of 18.
 fn winograd_tile(
     params: &ConvParams,
+    isa: Isa,
     precision: Precision,
     hint: Option<[usize; 2]>,
     workers: usize,
@@ -369,18 +376,20 @@ fn winograd_tile(
         };
         side * (tiles * (1.0 - mf / 20.0) + streams)
     };
-    WINOGRAD_TILES
-        .into_iter()
-        .filter(|&m| m <= max)
-        .min_by(|&a, &b| cost(a).total_cmp(&cost(b)))
+    // The tiles the generator emitted for this ISA; of equal costs the smaller (more accurate).
+    crate::cpu::wino_f32()
+        .iter()
+        .filter(|k| k.isa == isa && k.m <= max)
+        .map(|k| k.m)
+        .min_by(|&a, &b| cost(a).total_cmp(&cost(b)).then(a.cmp(&b)))
         .unwrap_or(2)
 }
 
-/// The tile sizes `m` of the generated F(m,3) transforms, smallest (most accurate) first.
-const WINOGRAD_TILES: [usize; 4] = [2, 4, 5, 6];
-
 /// Transformed weights of a group (floats) that the tile choice takes to stay in the caches
-/// (16 MiB: F(6,3) at 256 channels, half the L3 of a Zen 4 chiplet).
+/// (16 MiB: F(6,3) at 256 channels, half the L3 of a Zen 4 chiplet). The plan's own line for
+/// taking a whole image's tiles an item is lower (12 MiB, `U_STREAM_FLOATS` in
+/// `algo/winograd.rs`); at 12 MiB here F(5,3)'s 12.25 MiB on 256 channels would lose 14x14
+/// images to F(4,3), against the 1.13x it measured.
 const WINOGRAD_CACHED_WEIGHTS: f64 = (4u64 << 20) as f64;
 
 /// A stream of a group's transformed weights from memory, in tiles' GEMMs, fitted to
@@ -485,5 +494,34 @@ mod tests {
         assert_eq!(pick(Isa::Avx512, 1), Algorithm::Im2colGemm);
         assert_eq!(pick(Isa::Avx512, 2), Algorithm::Direct);
         assert_eq!(pick(Isa::Avx2, 2), Algorithm::Im2colGemm);
+    }
+
+    /// Where the transformed weights outgrow the caches, each worker's stream of them counts:
+    /// 512 channels on 12x12 take F(4,3) (36 MiB of weights, 9 tiles) on one worker and F(2,3)
+    /// (16 MiB, cached; 36 tiles) on two; on 7x7 F(2,3) on both. 64 channels (small weights) take F(6,3) on 12x12 either way.
+    #[test]
+    fn winograd_tile_counts_weight_streams_per_worker() {
+        let isa = Isa::Scalar;
+        let tile = |c, hw, workers| {
+            let p = ConvParams::conv2d(c, c, [3, 3]);
+            winograd_tile(&p, isa, Precision::Balanced, Some([hw, hw]), workers)
+        };
+        assert_eq!(tile(512, 12, 1), 4);
+        assert_eq!(tile(512, 12, 2), 2);
+        assert_eq!(tile(512, 7, 1), 2);
+        assert_eq!(tile(512, 7, 2), 2);
+        assert_eq!(tile(64, 12, 1), 6);
+        assert_eq!(tile(64, 12, 2), 6);
+        assert_eq!(tile(64, 14, 2), 5);
+        // Accurate stops at F(4,3); equal costs (an empty image) take the smallest tile.
+        let p = ConvParams::conv2d(64, 64, [3, 3]);
+        assert_eq!(
+            winograd_tile(&p, isa, Precision::Accurate, Some([28, 28]), 1),
+            4
+        );
+        assert_eq!(
+            winograd_tile(&p, isa, Precision::Balanced, Some([0, 0]), 1),
+            2
+        );
     }
 }
