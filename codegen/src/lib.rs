@@ -242,11 +242,10 @@ pub fn dw_f32() -> Vec<DwSpec> {
 }
 
 /// The 16-bit depthwise kernels (f16 and bf16 tensors, f32 arithmetic), for the memory-bound
-/// layers where half the bytes pay: at AVX2 and AVX-512, the NHWC kernel of every shape of
-/// [`DW_SHAPES`], the NCHW plane kernels of the 3x3 shapes (NCHW 5x5 and 7x7 run the f32
-/// plane kernels on tiles converted in L1), and the generic kernels; at the scalar level (the
-/// fallback everywhere), the generic kernels only. Other shapes and ISAs convert bands of rows
-/// around the f32 kernels.
+/// layers where half the bytes pay: at AVX2 and AVX-512, the NHWC and NCHW kernels of every
+/// shape of [`DW_SHAPES`] and the generic kernels; at the scalar level (the fallback
+/// everywhere), the generic kernels only. Other shapes and ISAs convert tiles of rows around
+/// the f32 kernels.
 pub fn dw_half() -> Vec<DwSpec> {
     let mut specs = Vec::new();
     for dtype in [Dt::F16, Dt::Bf16] {
@@ -254,8 +253,7 @@ pub fn dw_half() -> Vec<DwSpec> {
             for layout in [DwLayout::Nchw, DwLayout::Nhwc] {
                 let fixed: &[(usize, usize)] = match (isa, layout) {
                     (Isa::Scalar, _) => &[],
-                    (_, DwLayout::Nchw) => &[(3, 1), (3, 2)],
-                    (_, DwLayout::Nhwc) => DW_SHAPES,
+                    (_, DwLayout::Nchw | DwLayout::Nhwc) => DW_SHAPES,
                     (_, DwLayout::Flat) => unreachable!("no 16-bit flat kernels"),
                 };
                 for shape in fixed.iter().map(|&s| Some(s)).chain([None]) {

@@ -972,8 +972,12 @@ const TILE_FLOATS: usize = 6 * 1024;
 /// through L1). Measured with `convkit bench --dtype f16` (one thread, AMD EPYC Zen 4 with
 /// AVX-512, a shared and noisy machine, three interleaved rounds, GFLOP/s f32 / tiles /
 /// 16-bit kernel): mobilenetv2_dw3x3_112 31-39 / 23-33 / 35-36; dw3x3_28 21-22 / 18-21 /
-/// 20-24. The tiles serve what the 16-bit kernels do not take (f16 in, f32 out; SiLU and the
-/// other activations that run as a pass; NEON).
+/// 20-24. For 5x5 and 7x7 (three interleaved rounds, 16-bit kernel / tiles, as fractions of
+/// f32, f16 then bf16): convnext_t_dw7x7_56 0.91 / 0.90 and 0.86 / 0.85, dw7x7_28 0.86 /
+/// 0.89 and 0.84 / 0.82, dw7x7_14 0.87 / 0.79 and 0.85 / 0.75, efficientnet_dw5x5_28 0.87 /
+/// 0.72 and 0.79 / 0.76: the tiles' two extra passes through L1 cost more than widening on
+/// every load. The tiles serve what the 16-bit kernels do not take (f16 in, f32 out; SiLU and
+/// the other activations that run as a pass; NEON).
 const PREFER_HALF_KERNELS: bool = true;
 
 /// The f32 outputs `y` of a tile into `dst`: the residual added and the clamp applied (the
