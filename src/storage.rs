@@ -169,10 +169,10 @@ pub(crate) fn narrow<T: Storage>(src: &[f32], dst: &mut [T]) {
 /// The slice conversions in AVX2 + F16C.
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{bf16_bits, f16};
     use core::arch::x86_64::*;
 
     /// True if the CPU has AVX2 and F16C.
+    #[inline]
     pub(super) fn available() -> bool {
         std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("f16c")
     }
@@ -183,27 +183,38 @@ mod x86 {
     /// The CPU has AVX2 and F16C; `dst` is at least as long as `src`.
     #[target_feature(enable = "avx2,f16c")]
     pub(super) unsafe fn widen(is_f16: bool, src: &[u16], dst: &mut [f32]) {
-        let n = src.len();
+        let n = src.len().min(dst.len());
         let mut i = 0;
         while i + 8 <= n {
             // SAFETY: elements `i..i + 8` are inside both slices.
             unsafe {
                 let h = _mm_loadu_si128(src.as_ptr().add(i) as *const __m128i);
-                let v = if is_f16 {
-                    _mm256_cvtph_ps(h)
-                } else {
-                    _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
-                };
-                _mm256_storeu_ps(dst.as_mut_ptr().add(i), v);
+                _mm256_storeu_ps(dst.as_mut_ptr().add(i), widen8(is_f16, h));
             }
             i += 8;
         }
-        for (d, &b) in dst[i..n].iter_mut().zip(&src[i..]) {
-            *d = if is_f16 {
-                f16::from_bits(b).to_f32()
-            } else {
-                f32::from_bits((b as u32) << 16)
-            };
+        if i < n {
+            // The last few through a vector too: a value at a time would be a software
+            // conversion each (a 14x14 plane ends in 4).
+            let (mut h, mut x) = ([0u16; 8], [0.0f32; 8]);
+            h[..n - i].copy_from_slice(&src[i..n]);
+            // SAFETY: 8 elements of each local array.
+            unsafe {
+                let v = widen8(is_f16, _mm_loadu_si128(h.as_ptr() as *const __m128i));
+                _mm256_storeu_ps(x.as_mut_ptr(), v);
+            }
+            dst[i..n].copy_from_slice(&x[..n - i]);
+        }
+    }
+
+    /// 8 f16 (`is_f16`) or bf16 values widened.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c")]
+    fn widen8(is_f16: bool, h: __m128i) -> __m256 {
+        if is_f16 {
+            _mm256_cvtph_ps(h)
+        } else {
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
         }
     }
 
@@ -213,35 +224,45 @@ mod x86 {
     /// The CPU has AVX2 and F16C; `dst` is at least as long as `src`.
     #[target_feature(enable = "avx2,f16c")]
     pub(super) unsafe fn narrow(is_f16: bool, src: &[f32], dst: &mut [u16]) {
-        let n = src.len();
+        let n = src.len().min(dst.len());
         let mut i = 0;
         while i + 8 <= n {
             // SAFETY: elements `i..i + 8` are inside both slices.
             unsafe {
-                let x = _mm256_loadu_ps(src.as_ptr().add(i));
-                let h = if is_f16 {
-                    _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x)
-                } else {
-                    // Add 0x7fff and the lowest kept bit; NaN stays a quiet NaN.
-                    let b = _mm256_castps_si256(x);
-                    let odd = _mm256_and_si256(_mm256_srli_epi32::<16>(b), _mm256_set1_epi32(1));
-                    let r = _mm256_add_epi32(b, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff)));
-                    let q = _mm256_or_si256(b, _mm256_set1_epi32(0x40_0000));
-                    let nan = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(x, x));
-                    let r = _mm256_srli_epi32::<16>(_mm256_blendv_epi8(r, q, nan));
-                    let w = _mm256_packus_epi32(r, r);
-                    _mm256_castsi256_si128(_mm256_permute4x64_epi64::<0b1000>(w))
-                };
+                let h = narrow8(is_f16, _mm256_loadu_ps(src.as_ptr().add(i)));
                 _mm_storeu_si128(dst.as_mut_ptr().add(i) as *mut __m128i, h);
             }
             i += 8;
         }
-        for (d, &x) in dst[i..n].iter_mut().zip(&src[i..]) {
-            *d = if is_f16 {
-                f16::from_f32(x).to_bits()
-            } else {
-                bf16_bits(x)
-            };
+        if i < n {
+            // The last few through a vector too (see `widen`).
+            let (mut x, mut h) = ([0.0f32; 8], [0u16; 8]);
+            x[..n - i].copy_from_slice(&src[i..n]);
+            // SAFETY: 8 elements of each local array.
+            unsafe {
+                let v = narrow8(is_f16, _mm256_loadu_ps(x.as_ptr()));
+                _mm_storeu_si128(h.as_mut_ptr() as *mut __m128i, v);
+            }
+            dst[i..n].copy_from_slice(&h[..n - i]);
+        }
+    }
+
+    /// 8 f32 values rounded to nearest even f16 (`is_f16`) or bf16 bits.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c")]
+    fn narrow8(is_f16: bool, x: __m256) -> __m128i {
+        if is_f16 {
+            _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x)
+        } else {
+            // Add 0x7fff and the lowest kept bit; NaN stays a quiet NaN.
+            let b = _mm256_castps_si256(x);
+            let odd = _mm256_and_si256(_mm256_srli_epi32::<16>(b), _mm256_set1_epi32(1));
+            let r = _mm256_add_epi32(b, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff)));
+            let q = _mm256_or_si256(b, _mm256_set1_epi32(0x40_0000));
+            let nan = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(x, x));
+            let r = _mm256_srli_epi32::<16>(_mm256_blendv_epi8(r, q, nan));
+            let w = _mm256_packus_epi32(r, r);
+            _mm256_castsi256_si128(_mm256_permute4x64_epi64::<0b1000>(w))
         }
     }
 }
@@ -455,9 +476,9 @@ mod tests {
 
     #[test]
     fn slice_conversions_match_the_scalar_ones() {
-        // Ties, NaN, infinities, subnormals, overflow, and a tail past the last 8.
-        let mut xs: Vec<f32> = (0..203).map(|i| (i as f32 - 100.0) * 0.013_7).collect();
-        xs.extend([
+        // Ties, NaN, infinities, subnormals, overflow, at both ends; every length, so each
+        // special value lands in the vector loop and in every position of a short tail.
+        let specials = [
             f32::NAN,
             -f32::NAN,
             f32::INFINITY,
@@ -469,28 +490,38 @@ mod tests {
             1.0 + 1.0 / 2048.0,
             -0.0,
             65520.0,
-        ]);
-        let mut h = vec![f16::ZERO; xs.len()];
-        let mut b = vec![bf16::ZERO; xs.len()];
-        narrow(&xs, &mut h);
-        narrow(&xs, &mut b);
-        for (i, &x) in xs.iter().enumerate() {
-            let (wh, wb) = (f16::from_f32(x), bf16::from_bits(bf16_bits(x)));
-            assert!(
-                h[i].to_bits() == wh.to_bits() || (x.is_nan() && h[i].is_nan()),
-                "{x}"
-            );
-            assert!(
-                b[i].to_bits() == wb.to_bits() || (x.is_nan() && b[i].is_nan()),
-                "{x}"
-            );
-        }
-        let (mut fh, mut fb) = (vec![0.0; xs.len()], vec![0.0; xs.len()]);
-        widen(&h, &mut fh);
-        widen(&b, &mut fb);
-        for i in 0..xs.len() {
-            assert!(fh[i].to_bits() == h[i].to_f32().to_bits() || fh[i].is_nan());
-            assert!(fb[i].to_bits() == b[i].to_f32().to_bits() || fb[i].is_nan());
+        ];
+        let ramp = (0..29).map(|i| (i as f32 - 14.0) * 0.013_7);
+        let xs: Vec<f32> = specials
+            .iter()
+            .copied()
+            .chain(ramp)
+            .chain(specials)
+            .collect();
+        for n in 0..=xs.len() {
+            let xs = &xs[..n];
+            let mut h = vec![f16::ZERO; n];
+            let mut b = vec![bf16::ZERO; n];
+            narrow(xs, &mut h);
+            narrow(xs, &mut b);
+            for (i, &x) in xs.iter().enumerate() {
+                let (wh, wb) = (f16::from_f32(x), bf16::from_bits(bf16_bits(x)));
+                assert!(
+                    h[i].to_bits() == wh.to_bits() || (x.is_nan() && h[i].is_nan()),
+                    "{x} at {i} of {n}"
+                );
+                assert!(
+                    b[i].to_bits() == wb.to_bits() || (x.is_nan() && b[i].is_nan()),
+                    "{x} at {i} of {n}"
+                );
+            }
+            let (mut fh, mut fb) = (vec![0.0; n], vec![0.0; n]);
+            widen(&h, &mut fh);
+            widen(&b, &mut fb);
+            for i in 0..n {
+                assert!(fh[i].to_bits() == h[i].to_f32().to_bits() || fh[i].is_nan());
+                assert!(fb[i].to_bits() == b[i].to_f32().to_bits() || fb[i].is_nan());
+            }
         }
     }
 
