@@ -143,7 +143,9 @@ pub fn emit_all(specs: &[DwSpec], direct: &[DirectSpec]) -> TokenStream {
             modules.extend(quote! {
                 #cfg
                 pub mod #module {
-                    #![allow(unused_unsafe, clippy::all)]
+                    // Helpers are emitted whole; a module's kernels need not use them all (the
+                    // AVX2 16-bit module has NHWC kernels only).
+                    #![allow(unused_unsafe, dead_code, clippy::all)]
                     use crate::algo::depthwise::DwArgs;
                     #direct_use
                     #uses
