@@ -977,7 +977,8 @@ const TILE_FLOATS: usize = 6 * 1024;
 /// 0.89 and 0.84 / 0.82, dw7x7_14 0.87 / 0.79 and 0.85 / 0.75, efficientnet_dw5x5_28 0.87 /
 /// 0.72 and 0.79 / 0.76: the tiles' two extra passes through L1 cost more than widening on
 /// every load. The tiles serve what the 16-bit kernels do not take (f16 in, f32 out; SiLU and
-/// the other activations that run as a pass; NEON).
+/// the other activations that run as a pass; NCHW at AVX2, which has no such kernels (see
+/// codegen's `dw_half`); NEON).
 const PREFER_HALF_KERNELS: bool = true;
 
 /// The f32 outputs `y` of a tile into `dst`: the residual added and the clamp applied (the
