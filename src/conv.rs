@@ -498,7 +498,8 @@ mod tests {
 
     /// Where the transformed weights outgrow the caches, each worker's stream of them counts:
     /// 512 channels on 12x12 take F(4,3) (36 MiB of weights, 9 tiles) on one worker and F(2,3)
-    /// (16 MiB, cached; 36 tiles) on two; on 7x7 F(2,3) on both. 64 channels (small weights) take F(6,3) on 12x12 either way.
+    /// (16 MiB, cached; 36 tiles) on two; on 7x7 F(2,3) on both. 64 channels (small weights)
+    /// take F(6,3) on 12x12 either way, F(5,3) on 14x14.
     #[test]
     fn winograd_tile_counts_weight_streams_per_worker() {
         let isa = Isa::Scalar;

@@ -166,9 +166,10 @@ pub(crate) fn narrow<T: Storage>(src: &[f32], dst: &mut [T]) {
     }
 }
 
-/// The slice conversions in AVX2 + F16C.
+/// The slice conversions in AVX2 + F16C; their 8-wide steps serve the generated AVX2 16-bit
+/// depthwise kernels too.
 #[cfg(target_arch = "x86_64")]
-mod x86 {
+pub(crate) mod x86 {
     use core::arch::x86_64::*;
 
     /// True if the CPU has AVX2 and F16C.
@@ -198,7 +199,8 @@ mod x86 {
             // conversion each (a 14x14 plane ends in 4).
             let (mut h, mut x) = ([0u16; 8], [0.0f32; 8]);
             h[..n - i].copy_from_slice(&src[i..n]);
-            // SAFETY: 8 elements of each local array.
+            // SAFETY: the CPU has AVX2 and F16C (this function's contract); the loads and
+            // stores cover the 8 elements of each local array.
             unsafe {
                 let v = widen8(is_f16, _mm_loadu_si128(h.as_ptr() as *const __m128i));
                 _mm256_storeu_ps(x.as_mut_ptr(), v);
@@ -210,7 +212,7 @@ mod x86 {
     /// 8 f16 (`is_f16`) or bf16 values widened.
     #[inline]
     #[target_feature(enable = "avx2,f16c")]
-    fn widen8(is_f16: bool, h: __m128i) -> __m256 {
+    pub(crate) fn widen8(is_f16: bool, h: __m128i) -> __m256 {
         if is_f16 {
             _mm256_cvtph_ps(h)
         } else {
@@ -238,7 +240,8 @@ mod x86 {
             // The last few through a vector too (see `widen`).
             let (mut x, mut h) = ([0.0f32; 8], [0u16; 8]);
             x[..n - i].copy_from_slice(&src[i..n]);
-            // SAFETY: 8 elements of each local array.
+            // SAFETY: the CPU has AVX2 and F16C (this function's contract); the loads and
+            // stores cover the 8 elements of each local array.
             unsafe {
                 let v = narrow8(is_f16, _mm256_loadu_ps(x.as_ptr()));
                 _mm_storeu_si128(h.as_mut_ptr() as *mut __m128i, v);
@@ -250,7 +253,7 @@ mod x86 {
     /// 8 f32 values rounded to nearest even f16 (`is_f16`) or bf16 bits.
     #[inline]
     #[target_feature(enable = "avx2,f16c")]
-    fn narrow8(is_f16: bool, x: __m256) -> __m128i {
+    pub(crate) fn narrow8(is_f16: bool, x: __m256) -> __m128i {
         if is_f16 {
             _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x)
         } else {

@@ -447,31 +447,12 @@ fn half_helpers(
             )
         }
         (Isa::Avx2, 8) => {
-            let (load, bits) = if f16 {
-                (
-                    quote!(_mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))),
-                    quote!(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x)),
-                )
-            } else {
-                (
-                    quote!(_mm256_castsi256_ps(_mm256_slli_epi32::<16>(
-                        _mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i))
-                    ))),
-                    quote! {
-                        // Round to nearest even: add 0x7fff and the lowest kept bit; NaN
-                        // keeps its sign and becomes quiet.
-                        let b = _mm256_castps_si256(x);
-                        let odd = _mm256_and_si256(_mm256_srli_epi32::<16>(b), _mm256_set1_epi32(1));
-                        let r = _mm256_add_epi32(b, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff)));
-                        let q = _mm256_or_si256(b, _mm256_set1_epi32(0x40_0000));
-                        let nan = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(x, x));
-                        let r = _mm256_srli_epi32::<16>(_mm256_blendv_epi8(r, q, nan));
-                        // Each half's four words, then the two halves' low quads side by side.
-                        let w = _mm256_packus_epi32(r, r);
-                        _mm256_castsi256_si128(_mm256_permute4x64_epi64::<0b1000>(w))
-                    },
-                )
-            };
+            // The library's own 8-wide conversions (`src/storage.rs`), as the scalar level
+            // calls its `bf16_bits`: one round-to-nearest-even for bf16, not two.
+            let (load, bits) = (
+                quote!(crate::storage::x86::widen8(#f16, _mm_loadu_si128(p as *const __m128i))),
+                quote!(crate::storage::x86::narrow8(#f16, x)),
+            );
             (
                 quote!((isize, isize)),
                 quote!((lo, hi)),
